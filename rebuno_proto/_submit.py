@@ -42,6 +42,7 @@ __all__ = [
     "fail_step",
     "needs_indeterminate_check",
     "step_key",
+    "submission_hash",
 ]
 
 _T: Final = EventType
@@ -64,14 +65,26 @@ class StepKey:
     step_id: str
 
 
-def step_key(execution_id: str, submission: StepSubmission, counter: int | None) -> StepKey:
+def submission_hash(submission: StepSubmission) -> str:
+    """The `args_hash` of a submission (its arguments are already canonical)."""
+    return hashlib.sha256(submission.args.encode("utf-8")).hexdigest()
+
+
+def step_key(
+    execution_id: str,
+    submission: StepSubmission,
+    counter: int | None,
+    *,
+    args_hash: str | None = None,
+) -> StepKey:
     """The occurrence and step id of a submission.
 
     Args:
         counter: the highest occurrence of this (kind, target, args_hash) already
             consumed in the current dispatch attempt, or `None` for none.
+        args_hash: `submission_hash(submission)` if the caller has it already.
     """
-    digest = hashlib.sha256(submission.args.encode("utf-8")).hexdigest()
+    digest = args_hash or submission_hash(submission)
     occurrence = 0 if counter is None else counter + 1
     return StepKey(
         args_hash=digest,

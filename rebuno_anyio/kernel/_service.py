@@ -1,0 +1,516 @@
+"""The kernel service: every command as one transaction over the pure core.
+
+For each command (DESIGN.md, "How the kernel core meets storage"): the store
+runs a synchronous function in one exclusive transaction; it loads exactly the
+records the core needs, calls the core rule, writes the returned `Change`, and
+the service acts on the wake-ups only after the commit (wake the dispatcher,
+re-arm the approval timer, notify event watchers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+
+from rebuno_proto import (
+    ALLOW,
+    NO_SESSION,
+    Agent,
+    Approval,
+    ApprovalChoice,
+    Created,
+    CreateExecution,
+    Delivery,
+    DispatchSettings,
+    ErrorCode,
+    Event,
+    Execution,
+    ExecutionCompletion,
+    ExecutionFailure,
+    Lease,
+    Outcome,
+    RateBucket,
+    Refusal,
+    SessionView,
+    Step,
+    StepDecision,
+    StepSubmission,
+    Verdict,
+    cancel_execution,
+    check_owner,
+    claim_dispatch,
+    complete_execution,
+    complete_step,
+    create_execution,
+    decide_approval,
+    decide_submission,
+    expire_approval,
+    fail_execution,
+    fail_step,
+    heartbeat,
+    needs_indeterminate_check,
+    needs_lease_owner,
+    previous_state,
+    reclaim_lease,
+    record_delivery,
+    step_key,
+    submission_hash,
+)
+
+from .._ids import uuid7
+from ..store import Store, Tx
+
+__all__ = ["Kernel", "PolicyHook"]
+
+R = TypeVar("R")
+
+#: Evaluates policy for a new step: (tx, execution, agent, submission, now) ->
+#: (verdict, rate-limit buckets to store if the step is counted).
+PolicyHook = Callable[
+    [Tx, Execution, Agent | None, StepSubmission, float], tuple[Verdict, tuple[RateBucket, ...]]
+]
+
+
+def _allow_all(
+    tx: Tx, execution: Execution, agent: Agent | None, submission: StepSubmission, now: float
+) -> tuple[Verdict, tuple[RateBucket, ...]]:
+    return ALLOW, ()
+
+
+def _not_found(what: str = "execution") -> Refusal:
+    return Refusal(ErrorCode.NOT_FOUND, f"{what} not found")
+
+
+class Kernel:
+    """Runs kernel commands against a store.
+
+    Args:
+        store: where records live.
+        settings: lease timeout, delivery attempts, backoff.
+        clock: wall-clock Unix seconds (leases and timeouts survive restarts).
+        new_id: source of new UUIDv7 ids.
+        jitter: source of backoff jitter in [0, 1).
+        policy: evaluates policy for new steps; allows everything by default.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        settings: DispatchSettings | None = None,
+        clock: Callable[[], float] = time.time,
+        new_id: Callable[[], str] = uuid7,
+        jitter: Callable[[], float] = random.random,
+        policy: PolicyHook = _allow_all,
+    ) -> None:
+        self.store = store
+        self.settings = settings or DispatchSettings()
+        self.clock = clock
+        self.new_id = new_id
+        self.jitter = jitter
+        self.policy = policy
+        self._agents: dict[str, Agent | None] = {}
+        self._event_waiters: dict[str, anyio.Event] = {}
+        self.on_dispatch_due: Callable[[float], None] = lambda at: None
+        self.on_timer_due: Callable[[float], None] = lambda at: None
+
+    # -- plumbing ------------------------------------------------------------------
+
+    async def _command(self, rule: Callable[[Tx, float], Outcome[R]]) -> R | Refusal:
+        now = self.clock()
+
+        def run(tx: Tx) -> Outcome[R]:
+            outcome = rule(tx, now)
+            if not outcome.change.is_empty:
+                tx.apply(outcome.change)
+            return outcome
+
+        outcome = await self.store.run(run)
+        self._after_commit(outcome)
+        return outcome.reply
+
+    def _after_commit(self, outcome: Outcome[Any]) -> None:
+        if outcome.dispatch_due_at is not None:
+            self.on_dispatch_due(outcome.dispatch_due_at)
+        if outcome.timer_due_at is not None:
+            self.on_timer_due(outcome.timer_due_at)
+        if outcome.change.events:
+            for execution_id in {e.execution_id for e in outcome.change.events}:
+                waiter = self._event_waiters.pop(execution_id, None)
+                if waiter is not None:
+                    waiter.set()
+
+    async def read(self, fn: Callable[[Tx], R]) -> R:
+        """Run a read-only query in a transaction."""
+        return await self.store.run(fn)
+
+    def _session_view(self, tx: Tx, execution: Execution) -> SessionView:
+        if not execution.session:
+            return NO_SESSION
+        nxt = tx.session_next(execution.session, execution.id)
+        head = None if nxt is None else tx.session_head(execution.session, nxt.agent_id)
+        return SessionView(next_pending=nxt, head_for_next=head)
+
+    @staticmethod
+    def _lease_owner(tx: Tx, execution: Execution, lease: Lease) -> str | None:
+        return tx.dispatch_owner(lease.dispatch_id) if needs_lease_owner(execution, lease) else None
+
+    def _pending(self, tx: Tx, execution: Execution) -> tuple[tuple[Approval, Step], ...]:
+        return tuple(tx.pending_approvals(execution.id)) if execution.status.value == "blocked" else ()
+
+    # -- agents ----------------------------------------------------------------------
+
+    async def agent(self, agent_id: str) -> Agent | None:
+        """The registered agent (cached; the kernel is the only writer)."""
+        if agent_id in self._agents:
+            return self._agents[agent_id]
+        found = await self.store.run(lambda tx: tx.agent(agent_id))
+        self._agents[agent_id] = found
+        return found
+
+    async def put_agent(self, agent: Agent) -> None:
+        await self.store.run(lambda tx: tx.put_agent(agent))
+        self._agents[agent.id] = agent
+
+    async def delete_agent(self, agent_id: str) -> bool:
+        found = await self.store.run(lambda tx: tx.delete_agent(agent_id))
+        self._agents.pop(agent_id, None)
+        return found
+
+    async def update_agent(self, agent_id: str, **fields: Any) -> Agent | None:
+        """Change fields of a registered agent (metadata, policy); `None` if unknown."""
+
+        def run(tx: Tx) -> Agent | None:
+            agent = tx.agent(agent_id)
+            if agent is None:
+                return None
+            agent = dataclasses.replace(agent, **fields)
+            tx.put_agent(agent)
+            return agent
+
+        updated = await self.store.run(run)
+        self._agents[agent_id] = updated
+        return updated
+
+    # -- client commands ---------------------------------------------------------------
+
+    async def create(self, request: CreateExecution) -> Created | Refusal:
+        def rule(tx: Tx, now: float) -> Outcome[Created]:
+            agent = tx.agent(request.agent_id)
+            duplicate = (
+                tx.execution_by_key(request.agent_id, request.idempotency_key)
+                if request.idempotency_key
+                else None
+            )
+            busy = bool(request.session) and tx.session_busy(request.session)
+            head = (
+                tx.session_head(request.session, request.agent_id)
+                if request.session and not busy
+                else None
+            )
+            return create_execution(
+                request=request,
+                agent=agent,
+                duplicate=duplicate,
+                session_busy=busy,
+                head=head,
+                new_id=self.new_id,
+                now=now,
+                settings=self.settings,
+            )
+
+        return await self._command(rule)
+
+    async def cancel(self, execution_id: str) -> None | Refusal:
+        def rule(tx: Tx, now: float) -> Outcome[None]:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return Outcome(reply=_not_found())
+            return cancel_execution(
+                execution=execution,
+                session=self._session_view(tx, execution),
+                pending=self._pending(tx, execution),
+                active_steps=tuple(tx.active_steps(execution.id)),
+                new_id=self.new_id,
+                now=now,
+                settings=self.settings,
+            )
+
+        return await self._command(rule)
+
+    async def decide_approval(
+        self, approval_id: str, choice: ApprovalChoice, *, decided_by: str, rationale: str
+    ) -> None | Refusal:
+        def rule(tx: Tx, now: float) -> Outcome[None]:
+            approval = tx.approval(approval_id)
+            if approval is None:
+                return Outcome(reply=_not_found("approval"))
+            execution = tx.execution(approval.execution_id)
+            step = tx.step(approval.step_id)
+            if execution is None or step is None:
+                return Outcome(reply=_not_found("approval"))
+            return decide_approval(
+                approval=approval,
+                execution=execution,
+                step=step,
+                choice=choice,
+                decided_by=decided_by,
+                rationale=rationale,
+                new_id=self.new_id,
+                now=now,
+                settings=self.settings,
+            )
+
+        return await self._command(rule)
+
+    # -- agent commands ------------------------------------------------------------------
+
+    async def submit(
+        self, execution_id: str, caller: str, lease: Lease, submission: StepSubmission
+    ) -> StepDecision | Refusal:
+        digest = submission_hash(submission)
+
+        def rule(tx: Tx, now: float) -> Outcome[StepDecision]:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return Outcome(reply=_not_found())
+            counter = tx.counter(execution.id, submission.kind, submission.target, digest)
+            key = step_key(execution.id, submission, counter, args_hash=digest)
+            existing = tx.step(key.step_id)
+            indeterminate = needs_indeterminate_check(
+                execution, submission, existing
+            ) and tx.has_indeterminate(execution.id, submission.kind, submission.target, digest)
+            verdict, buckets = ALLOW, ()
+            if existing is None and execution.status.value == "running":
+                verdict, buckets = self.policy(
+                    tx, execution, tx.agent(execution.agent_id), submission, now
+                )
+            return decide_submission(
+                execution=execution,
+                caller=caller,
+                lease=lease,
+                lease_owner=self._lease_owner(tx, execution, lease),
+                submission=submission,
+                key=key,
+                existing=existing,
+                has_indeterminate_failure=indeterminate,
+                verdict=verdict,
+                rate_buckets=buckets,
+                new_id=self.new_id,
+                now=now,
+            )
+
+        return await self._command(rule)
+
+    async def finish_step(
+        self,
+        execution_id: str,
+        step_id: str,
+        caller: str,
+        lease: Lease,
+        *,
+        result: str | None = None,
+        error: str | None = None,
+    ) -> StepDecision | Refusal:
+        """Record a step's result (`result`) or failure (`error`)."""
+
+        def rule(tx: Tx, now: float) -> Outcome[StepDecision]:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return Outcome(reply=_not_found())
+            common = {
+                "execution": execution,
+                "caller": caller,
+                "lease": lease,
+                "lease_owner": self._lease_owner(tx, execution, lease),
+                "step": tx.step(step_id),
+                "now": now,
+            }
+            if error is None:
+                return complete_step(result=result or "null", **common)
+            return fail_step(error=error, **common)
+
+        return await self._command(rule)
+
+    async def heartbeat(self, execution_id: str, caller: str, lease: Lease) -> None | Refusal:
+        def rule(tx: Tx, now: float) -> Outcome[None]:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return Outcome(reply=_not_found())
+            return heartbeat(
+                execution=execution,
+                caller=caller,
+                lease=lease,
+                lease_owner=self._lease_owner(tx, execution, lease),
+                now=now,
+            )
+
+        return await self._command(rule)
+
+    async def end(
+        self,
+        execution_id: str,
+        caller: str,
+        lease: Lease,
+        ending: ExecutionCompletion | ExecutionFailure,
+    ) -> None | Refusal:
+        """The agent completes or fails its execution."""
+
+        def rule(tx: Tx, now: float) -> Outcome[None]:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return Outcome(reply=_not_found())
+            common = {
+                "execution": execution,
+                "caller": caller,
+                "lease": lease,
+                "lease_owner": self._lease_owner(tx, execution, lease),
+                "session": self._session_view(tx, execution),
+                "pending": self._pending(tx, execution),
+                "new_id": self.new_id,
+                "now": now,
+                "settings": self.settings,
+            }
+            if isinstance(ending, ExecutionCompletion):
+                return complete_execution(completion=ending, **common)
+            return fail_execution(failure=ending, **common)
+
+        return await self._command(rule)
+
+    async def check_lease(self, execution_id: str, caller: str, lease: Lease) -> Refusal | None:
+        """Read-only: may this lease act (used for best-effort stream deltas)?"""
+
+        def run(tx: Tx) -> Refusal | None:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return _not_found()
+            refusal = check_owner(execution, caller)
+            if refusal is not None:
+                return refusal
+            from rebuno_proto import lease_refusal
+
+            return lease_refusal(
+                execution, lease, self._lease_owner(tx, execution, lease), allow_retired=True
+            )
+
+        return await self.store.run(run)
+
+    # -- reads -------------------------------------------------------------------------
+
+    async def execution(self, execution_id: str, caller: str | None = None) -> Execution | Refusal:
+        def run(tx: Tx) -> Execution | Refusal:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return _not_found()
+            return check_owner(execution, caller) or execution
+
+        return await self.store.run(run)
+
+    async def previous(self, execution_id: str, caller: str | None) -> str | Refusal:
+        def run(tx: Tx) -> str | Refusal:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return _not_found()
+            refusal = check_owner(execution, caller)
+            if refusal is not None:
+                return refusal
+            parent = (
+                tx.execution(execution.parent_execution_id)
+                if execution.parent_execution_id
+                else None
+            )
+            return previous_state(parent)
+
+        return await self.store.run(run)
+
+    async def events(
+        self, execution_id: str, *, after_seq: int, limit: int, wait_s: float = 0.0
+    ) -> list[Event] | Refusal:
+        """Events after `after_seq`; with `wait_s`, wait up to that long for the
+        first new one (a long poll) instead of returning an empty page."""
+        deadline = anyio.current_time() + wait_s
+        while True:
+            waiter = self._event_waiters.setdefault(execution_id, anyio.Event())
+
+            def run(tx: Tx) -> list[Event] | Refusal:
+                if tx.execution(execution_id) is None:
+                    return _not_found()
+                return tx.events(execution_id, after_seq=after_seq, limit=limit)
+
+            found = await self.store.run(run)
+            if isinstance(found, Refusal) or found or anyio.current_time() >= deadline:
+                return found
+            with anyio.move_on_after(deadline - anyio.current_time()):
+                await waiter.wait()
+
+    # -- background work: the dispatcher, reaper and timers call these -----------------------
+
+    async def claim(self, execution_id: str) -> Delivery | None:
+        def rule(tx: Tx, now: float) -> Outcome[Delivery | None]:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return Outcome(reply=None)
+            return claim_dispatch(
+                execution=execution,
+                session=self._session_view(tx, execution),
+                new_id=self.new_id,
+                now=now,
+                settings=self.settings,
+            )
+
+        reply = await self._command(rule)
+        return None if isinstance(reply, Refusal) else reply
+
+    async def delivered(self, delivery: Delivery, *, is_acked: bool) -> None:
+        jitter = self.jitter()
+
+        def rule(tx: Tx, now: float) -> Outcome[None]:
+            execution = tx.execution(delivery.execution_id)
+            if execution is None:
+                return Outcome(reply=None)
+            return record_delivery(
+                execution=execution,
+                lease=delivery.lease(),
+                is_acked=is_acked,
+                jitter=jitter,
+                session=self._session_view(tx, execution),
+                new_id=self.new_id,
+                now=now,
+                settings=self.settings,
+            )
+
+        await self._command(rule)
+
+    async def reclaim(self, execution_id: str) -> bool:
+        def rule(tx: Tx, now: float) -> Outcome[bool]:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return Outcome(reply=False)
+            return reclaim_lease(execution=execution, now=now, settings=self.settings)
+
+        return await self._command(rule) is True
+
+    async def expire(self, approval_id: str) -> bool:
+        def rule(tx: Tx, now: float) -> Outcome[bool]:
+            approval = tx.approval(approval_id)
+            if approval is None:
+                return Outcome(reply=False)
+            execution = tx.execution(approval.execution_id)
+            step = tx.step(approval.step_id)
+            if execution is None or step is None:
+                return Outcome(reply=False)
+            return expire_approval(
+                approval=approval,
+                execution=execution,
+                step=step,
+                new_id=self.new_id,
+                now=now,
+                settings=self.settings,
+            )
+
+        return await self._command(rule) is True
