@@ -11,7 +11,10 @@ literals are parsed into *marker strings* (the literal between two NUL
 characters); the C encoder writes them as `"\\u0000<literal>\\u0000"` and two
 `str.replace` calls strip the quotes back off. That is only sound when no string
 in the input contains NUL, so any input with a `\\u0000` escape takes the slow,
-pure-Python path instead, where numbers are `Number` objects. Both paths give
+pure-Python path instead, where numbers are `Number` objects. So does an
+input with an unpaired surrogate escape (keys may collide once it becomes
+U+FFFD, and only the slow decoder sees them in document order), and one whose
+strings spell a marker's closing half in plain characters. Both paths give
 the same bytes; the property tests hold them to that.
 
 `Document` is the parsed form the wire-message parsers use: it knows which of
@@ -33,7 +36,19 @@ __all__ = ["Document", "Number", "canonical_json", "parse_document"]
 _MARK: Final = "\x00"
 _MARKED_OPEN: Final = '"\\u0000'
 _MARKED_CLOSE: Final = '\\u0000"'
+# A string holding a backslash then "u0000" as plain characters (sent as
+# `\u005cu0000`, which the `\u0000` test in `parse_document` does not see) is
+# encoded `\\u0000`, and its tail would pass for a marker's closing half; such
+# a text takes the slow path.
+_SPOOFED_MARK: Final = "\\\\u0000"
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
+# Escapes in the order the decoder reads them: an escaped backslash, a valid
+# surrogate pair, or (group 1) an unpaired surrogate. The shared leading
+# backslash lets the regex engine skip straight from one backslash to the next.
+_SURROGATE_ESCAPES: Final = re.compile(
+    r"\\(?:\\|u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+    r"|(u[dD][89a-fA-F][0-9a-fA-F]{2}))"
+)
 _GO_ESCAPES: Final = (
     ("<", "\\u003c"),
     (">", "\\u003e"),
@@ -184,17 +199,23 @@ class Document:
     def canonical(self, node: Any) -> bytes:
         """The canonical JSON text of `node`, a part of `value` (or `value`)."""
         if self._is_marked:
-            text = _FAST_ENCODER.encode(node)
+            try:
+                text = _FAST_ENCODER.encode(node)
+            except RecursionError:
+                raise CanonicalJSONError("invalid JSON: nesting too deep") from None
             if _MARKED_OPEN in text:
+                if _SPOOFED_MARK in text:
+                    return _slow_dump_marked(node)
                 text = text.replace(_MARKED_OPEN, "").replace(_MARKED_CLOSE, "")
             text = _go_escape(text)
             try:
                 return text.encode("utf-8")
             except UnicodeEncodeError:
-                # An unpaired surrogate from a `\ud8xx` escape: U+FFFD, and keys
-                # must be re-merged and re-sorted, which the slow path does.
+                # An unpaired surrogate (`parse_document` sends those texts down
+                # the slow path; a hand-built tree may still hold one): U+FFFD,
+                # and keys must be re-merged and re-sorted, which the slow path does.
                 pass
-            return _slow_dump(_unmark(node))
+            return _slow_dump_marked(node)
         return _slow_dump(node)
 
 
@@ -210,6 +231,25 @@ def _unmark(node: Any) -> Any:
     if isinstance(node, list):
         return [_unmark(v) for v in node]
     return node
+
+
+def _slow_dump_marked(node: Any) -> bytes:
+    try:
+        tree = _unmark(node)
+    except RecursionError:
+        raise CanonicalJSONError("invalid JSON: nesting too deep") from None
+    return _slow_dump(tree)
+
+
+def _has_unpaired_surrogate(text: str) -> bool:
+    """Whether a JSON text has a `\\u` escape of an unpaired surrogate.
+
+    Such a string becomes U+FFFD, and two keys may then collide; only the slow
+    decoder still sees the pairs in document order, so it must merge them.
+    """
+    if "\\ud" not in text and "\\uD" not in text:
+        return False
+    return any(m.group(1) for m in _SURROGATE_ESCAPES.finditer(text))
 
 
 def _slow_dump(node: Any) -> bytes:
@@ -273,7 +313,7 @@ def parse_document(data: bytes) -> Document:
     if not data:
         return Document(None, is_marked=True)
     text = _decode_utf8(data)
-    if "\\u0000" in text:
+    if "\\u0000" in text or _has_unpaired_surrogate(text):
         return Document(_parse(text, _SLOW_DECODER), is_marked=False)
     return Document(_parse(text, _FAST_DECODER), is_marked=True)
 

@@ -43,8 +43,14 @@ def _hmac_hex(secret: bytes, message: bytes) -> str:
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
+def _utf8(text: str) -> bytes:
+    # "surrogatepass": a header an adapter decoded with surrogateescape must
+    # fail the check, not raise out of the core.
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))
+    return hmac.compare_digest(_utf8(a), _utf8(b))
 
 
 def sign_webhook(secret: bytes, body: bytes) -> str:
@@ -74,7 +80,7 @@ def _v1_message(
     head = "\n".join(
         ("rebuno-request-v1", method, target, timestamp, dispatch_id or "", attempt or "")
     )
-    return (head + "\n").encode("utf-8") + body
+    return _utf8(head + "\n") + body
 
 
 def sign_request(

@@ -229,6 +229,9 @@ class Tx:
     ) -> Execution:
         """End an execution: release its dispatch, close its pending approvals,
         and admit the next execution queued in its session."""
+        # Only an admitted execution holds its session's slot (PROTOCOL.md §8);
+        # a queued one that is cancelled frees nothing.
+        held_slot = execution.status is not ExecutionStatus.PENDING
         status = advance(EXECUTION_TRANSITIONS, execution.status, trigger)
         execution = self.put(
             retire(
@@ -259,7 +262,12 @@ class Tx:
                 step_reason=f"execution_{status.value}",
             )
         nxt = session.next_pending
-        if execution.session and nxt is not None and nxt.status is ExecutionStatus.PENDING:
+        if (
+            held_slot
+            and execution.session
+            and nxt is not None
+            and nxt.status is ExecutionStatus.PENDING
+        ):
             head = session.head_for_next
             if status is ExecutionStatus.COMPLETED and execution.agent_id == nxt.agent_id:
                 head = execution
