@@ -18,6 +18,8 @@ from .types import Agent, Approval, Event, Execution, ExecutionPage, Step
 
 __all__ = ["Client"]
 
+_List = list  # `Client.list` shadows the builtin inside the class body
+
 
 class Client:
     """An HTTP client for the kernel's client and admin routes.
@@ -117,7 +119,7 @@ class Client:
 
     async def events(
         self, execution_id: str, *, after_seq: int = 0, limit: int = 100, wait: float = 0
-    ) -> list[Event]:
+    ) -> _List[Event]:
         """Events after `after_seq`. With `wait` (seconds, at most 30), the
         kernel holds the request until the first new event or the wait ends."""
         params: dict[str, Any] = {"limit": limit}
@@ -155,7 +157,7 @@ class Client:
                 if events:
                     after = events[-1].event_seq
 
-    async def list_steps(self, execution_id: str, *, status: str = "") -> list[Step]:
+    async def list_steps(self, execution_id: str, *, status: str = "") -> _List[Step]:
         params = {"status": status} if status else {}
         response = await self._request(
             "GET", f"/v0/executions/{execution_id}/steps", params=params
@@ -168,7 +170,7 @@ class Client:
 
     # -- approvals ----------------------------------------------------------------
 
-    async def list_approvals(self, *, status: str = "pending") -> list[Approval]:
+    async def list_approvals(self, *, status: str = "pending") -> _List[Approval]:
         response = await self._request("GET", "/v0/approvals", params={"status": status})
         return [Approval.model_validate(a) for a in response.json() or []]
 
@@ -199,7 +201,7 @@ class Client:
         response = await self._request("POST", "/v0/agents", json=body)
         return Agent.model_validate(response.json())
 
-    async def list_agents(self) -> list[Agent]:
+    async def list_agents(self) -> _List[Agent]:
         response = await self._request("GET", "/v0/agents")
         return [Agent.model_validate(a) for a in response.json() or []]
 

@@ -209,7 +209,12 @@ def raise_for_refusal(exc: BaseException) -> None:
     or `RateLimited` is raised from it. Returns quietly for anything else.
     """
     for err in _chain(exc):
-        match = _REFUSAL.search(str(err))
+        text = str(err)
+        response = getattr(err, "response", None)  # httpx.HTTPStatusError and provider SDKs
+        body = getattr(response, "text", None)
+        if isinstance(body, str):
+            text = f"{text}\n{body}"
+        match = _REFUSAL.search(text)
         if match is None:
             continue
         decision = match.group(1)

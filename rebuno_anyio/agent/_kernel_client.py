@@ -1,0 +1,202 @@
+"""The agent's signed calls to the kernel (PROTOCOL.md §2.3, §2.4, §4.2).
+
+On the hot path of every durable step (submit, then complete), so it rides the
+lean h11 client (`rebuno_anyio._h11client`) with pooled keep-alive connections
+instead of httpx. Every request is signed: `v1=` by default (method, raw target,
+timestamp, lease and body), or the seeds' body-only `sha256=` form on request.
+Any status >= 300 raises the exception its envelope `code` names.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Final, Literal
+
+from rebuno_proto import Lease, sign_request, sign_webhook
+
+from .._h11client import HttpClient, HttpClientError
+from ..errors import NetworkError, NotFoundError, error_from_body
+
+__all__ = ["KernelClient", "Signing", "encode_json"]
+
+Signing = Literal["v1", "body"]
+_JSON_HEADER: Final = ("Content-Type", "application/json")
+
+
+def encode_json(value: Any, what: str = "value") -> bytes:
+    """JSON bytes of `value`, or `TypeError` saying it cannot be recorded.
+
+    NaN and infinities are refused too: they are not JSON and the kernel would
+    reject them.
+    """
+    try:
+        return json.dumps(value, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{what} must be JSON-serializable: {err}") from None
+
+
+class KernelClient:
+    """Signed agent requests to one kernel.
+
+    Args:
+        agent_id: sent as `Rebuno-Agent-Id`.
+        secret: the agent secret (the HMAC key is its UTF-8 bytes).
+        base_url: the kernel's URL (a path prefix is kept and signed).
+        timeout: seconds per request.
+        signing: `"v1"` (default) or `"body"` (the seeds' `sha256=` body form).
+    """
+
+    def __init__(
+        self,
+        *,
+        agent_id: str,
+        secret: str,
+        base_url: str,
+        timeout: float = 35.0,
+        signing: Signing = "v1",
+    ) -> None:
+        if signing not in ("v1", "body"):
+            raise ValueError(f"signing must be 'v1' or 'body', got {signing!r}")
+        self.agent_id = agent_id
+        self._secret = secret.encode("utf-8")
+        self._signing = signing
+        self._http = HttpClient(base_url, timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self, method: str, path: str, body: bytes = b"", lease: Lease | None = None
+    ) -> bytes:
+        headers = [_JSON_HEADER, ("Rebuno-Agent-Id", self.agent_id)]
+        if lease is not None:
+            headers.append(("Rebuno-Dispatch-Id", lease.dispatch_id))
+            headers.append(("Rebuno-Dispatch-Attempt", str(lease.attempt)))
+        if self._signing == "v1":
+            timestamp = int(time.time())
+            headers.append(("Rebuno-Timestamp", str(timestamp)))
+            signature = sign_request(
+                self._secret,
+                method=method,
+                target=self._http.target(path),
+                timestamp=timestamp,
+                body=body,
+                dispatch_id=None if lease is None else lease.dispatch_id,
+                attempt=None if lease is None else lease.attempt,
+            )
+        else:
+            signature = sign_webhook(self._secret, body)
+        headers.append(("Rebuno-Signature", signature))
+        try:
+            response = await self._http.request(method, path, headers=headers, body=body)
+        except HttpClientError as err:
+            raise NetworkError(f"{method} {path}: {err}") from err
+        if response.status >= 300:
+            try:
+                parsed = json.loads(response.body) if response.body else None
+            except ValueError:
+                parsed = None
+            raise error_from_body(
+                response.status, parsed, response.body.decode("utf-8", "replace")
+            )
+        return response.body
+
+    # -- reads ---------------------------------------------------------------------
+
+    async def get_execution(self, execution_id: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(await self._call("GET", f"/v0/executions/{execution_id}"))
+        return data
+
+    async def previous_state(self, execution_id: str) -> Any:
+        body = await self._call("GET", f"/v0/executions/{execution_id}/previous")
+        return json.loads(body)["state"]
+
+    async def get_step(self, execution_id: str, step_id: str) -> dict[str, Any] | None:
+        try:
+            body = await self._call("GET", f"/v0/executions/{execution_id}/steps/{step_id}")
+        except NotFoundError:
+            return None
+        data: dict[str, Any] = json.loads(body)
+        return data
+
+    async def set_metadata(
+        self,
+        *,
+        description: str | None,
+        input_schema: dict[str, Any] | None,
+        output_schema: dict[str, Any] | None,
+    ) -> None:
+        body = encode_json(
+            {
+                "description": description,
+                "input_schema": input_schema,
+                "output_schema": output_schema,
+            },
+            "agent metadata",
+        )
+        await self._call("PUT", f"/v0/agents/{self.agent_id}/metadata", body)
+
+    # -- lease-carrying mutations ------------------------------------------------------
+
+    async def submit_step(
+        self,
+        execution_id: str,
+        lease: Lease,
+        *,
+        kind: str,
+        target: str,
+        args: Any,
+        idempotency: str,
+    ) -> dict[str, Any]:
+        """Ask the kernel to decide a step; returns the decision object."""
+        body = (
+            b'{"kind": '
+            + json.dumps(kind).encode()
+            + b', "target": '
+            + json.dumps(target).encode()
+            + b', "args": '
+            + encode_json(args, "step arguments")
+            + b', "idempotency": '
+            + json.dumps(idempotency).encode()
+            + b', "resources": []}'
+        )
+        decision: dict[str, Any] = json.loads(
+            await self._call("POST", f"/v0/executions/{execution_id}/steps", body, lease)
+        )
+        return decision
+
+    async def complete_step(
+        self, execution_id: str, step_id: str, lease: Lease, *, result: Any
+    ) -> None:
+        body = b'{"result": ' + encode_json(result, "step result") + b"}"
+        await self._call(
+            "POST", f"/v0/executions/{execution_id}/steps/{step_id}/complete", body, lease
+        )
+
+    async def fail_step(self, execution_id: str, step_id: str, lease: Lease, *, error: Any) -> None:
+        body = encode_json({"error": error}, "step error")
+        await self._call("POST", f"/v0/executions/{execution_id}/steps/{step_id}/fail", body, lease)
+
+    async def stream_delta(
+        self, execution_id: str, step_id: str, lease: Lease, *, seq: int, data: str
+    ) -> None:
+        body = encode_json({"seq": seq, "data": data})
+        await self._call(
+            "POST", f"/v0/executions/{execution_id}/steps/{step_id}/stream", body, lease
+        )
+
+    async def heartbeat(self, execution_id: str, lease: Lease) -> None:
+        await self._call("POST", f"/v0/executions/{execution_id}/heartbeat", b"", lease)
+
+    async def complete_execution(
+        self, execution_id: str, lease: Lease, *, output: bytes, state: bytes | None = None
+    ) -> None:
+        """Complete with `output` (and session `state`), both already JSON bytes
+        (the agent checks they serialize before it decides to complete)."""
+        body = b'{"output": ' + output + (b"" if state is None else b', "state": ' + state) + b"}"
+        await self._call("POST", f"/v0/executions/{execution_id}/complete", body, lease)
+
+    async def fail_execution(self, execution_id: str, lease: Lease, *, reason: str) -> None:
+        body = encode_json({"error": reason})
+        await self._call("POST", f"/v0/executions/{execution_id}/fail", body, lease)
