@@ -100,8 +100,9 @@ async def serve_kernel(
     """
     store = await open_store(config.db, synchronous=config.synchronous)
     try:
-        kwargs = {} if config.policy_hook is None else {"policy": config.policy_hook}
-        kernel = Kernel(store, settings=config.settings, **kwargs)
+        kernel = Kernel(store, settings=config.settings)
+        if config.policy_hook is not None:
+            kernel.policy = config.policy_hook
         await _register(kernel, config.agents)
         api = KernelAPI(
             kernel,

@@ -53,6 +53,7 @@ from rebuno_proto import (
     fail_execution,
     fail_step,
     heartbeat,
+    lease_refusal,
     needs_indeterminate_check,
     needs_lease_owner,
     previous_state,
@@ -285,7 +286,8 @@ class Kernel:
             indeterminate = needs_indeterminate_check(
                 execution, submission, existing
             ) and tx.has_indeterminate(execution.id, submission.kind, submission.target, digest)
-            verdict, buckets = ALLOW, ()
+            verdict: Verdict = ALLOW
+            buckets: tuple[RateBucket, ...] = ()
             if existing is None and execution.status.value == "running":
                 verdict, buckets = self.policy(
                     tx, execution, tx.agent(execution.agent_id), submission, now
@@ -323,17 +325,27 @@ class Kernel:
             execution = tx.execution(execution_id)
             if execution is None:
                 return Outcome(reply=_not_found())
-            common = {
-                "execution": execution,
-                "caller": caller,
-                "lease": lease,
-                "lease_owner": self._lease_owner(tx, execution, lease),
-                "step": tx.step(step_id),
-                "now": now,
-            }
+            owner = self._lease_owner(tx, execution, lease)
+            step = tx.step(step_id)
             if error is None:
-                return complete_step(result=result or "null", **common)
-            return fail_step(error=error, **common)
+                return complete_step(
+                    execution=execution,
+                    caller=caller,
+                    lease=lease,
+                    lease_owner=owner,
+                    step=step,
+                    result=result or "null",
+                    now=now,
+                )
+            return fail_step(
+                execution=execution,
+                caller=caller,
+                lease=lease,
+                lease_owner=owner,
+                step=step,
+                error=error,
+                now=now,
+            )
 
         return await self._command(rule)
 
@@ -365,20 +377,34 @@ class Kernel:
             execution = tx.execution(execution_id)
             if execution is None:
                 return Outcome(reply=_not_found())
-            common = {
-                "execution": execution,
-                "caller": caller,
-                "lease": lease,
-                "lease_owner": self._lease_owner(tx, execution, lease),
-                "session": self._session_view(tx, execution),
-                "pending": self._pending(tx, execution),
-                "new_id": self.new_id,
-                "now": now,
-                "settings": self.settings,
-            }
+            owner = self._lease_owner(tx, execution, lease)
+            session = self._session_view(tx, execution)
+            pending = self._pending(tx, execution)
             if isinstance(ending, ExecutionCompletion):
-                return complete_execution(completion=ending, **common)
-            return fail_execution(failure=ending, **common)
+                return complete_execution(
+                    execution=execution,
+                    caller=caller,
+                    lease=lease,
+                    lease_owner=owner,
+                    completion=ending,
+                    session=session,
+                    pending=pending,
+                    new_id=self.new_id,
+                    now=now,
+                    settings=self.settings,
+                )
+            return fail_execution(
+                execution=execution,
+                caller=caller,
+                lease=lease,
+                lease_owner=owner,
+                failure=ending,
+                session=session,
+                pending=pending,
+                new_id=self.new_id,
+                now=now,
+                settings=self.settings,
+            )
 
         return await self._command(rule)
 
@@ -392,8 +418,6 @@ class Kernel:
             refusal = check_owner(execution, caller)
             if refusal is not None:
                 return refusal
-            from rebuno_proto import lease_refusal
-
             return lease_refusal(
                 execution, lease, self._lease_owner(tx, execution, lease), allow_retired=True
             )
