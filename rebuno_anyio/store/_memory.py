@@ -7,7 +7,8 @@ raises.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterable
 from typing import Any, Final, TypeVar
 
 from rebuno_proto import (
@@ -25,15 +26,27 @@ from rebuno_proto import (
     StepStatus,
 )
 
+from ._base import StoreError
+
 __all__ = ["MemoryStore"]
 
 T = TypeVar("T")
 _MISSING: Final = object()
 _CLAIMABLE: Final = (DispatchStatus.PENDING, DispatchStatus.FAILED)
 _ACTIVE: Final = (ExecutionStatus.PENDING, ExecutionStatus.RUNNING, ExecutionStatus.BLOCKED)
-_INDETERMINATE: Final = '"reason":"indeterminate"'
 
 CounterKey = tuple[str, StepKind, str, str]
+
+
+def _is_indeterminate(error: str | None) -> bool:
+    """Whether a step error is an object whose top-level `reason` is `indeterminate`."""
+    if error is None:
+        return False
+    try:
+        value = json.loads(error)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and value.get("reason") == "indeterminate"
 
 
 class _Data:
@@ -52,7 +65,7 @@ class _Data:
 class _MemoryTx:
     def __init__(self, data: _Data) -> None:
         self._d = data
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], object]] = []
 
     # -- undo-logged mutation ----------------------------------------------------
 
@@ -97,7 +110,7 @@ class _MemoryTx:
             and s.target == target
             and s.args_hash == args_hash
             and s.status is StepStatus.FAILED
-            and _INDETERMINATE in (s.error or "")
+            and _is_indeterminate(s.error)
             for s in self._steps_of(execution_id)
         )
 
@@ -245,12 +258,28 @@ class _MemoryTx:
         self._pop(self._d.agents, agent_id)
         return found
 
+    def _check_events(self, events: Iterable[Event]) -> None:
+        """Refuse, before anything is written, events that would not continue
+        their execution's log gap-free."""
+        expected: dict[str, int] = {}
+        for event in events:
+            seq = expected.get(event.execution_id)
+            if seq is None:
+                seq = len(self._d.events.get(event.execution_id, ())) + 1
+            if event.seq != seq:
+                raise ValueError(f"event seq {event.seq} of {event.execution_id} is not {seq}")
+            expected[event.execution_id] = seq + 1
+
     def apply(self, change: Change) -> None:
         d = self._d
+        self._check_events(change.events)
         for execution in change.executions:
             self._set(d.executions, execution.id, execution)
         for step in change.steps:
-            if step.step_id not in d.steps:
+            old = d.steps.get(step.step_id)
+            if old is not None and old.execution_id != step.execution_id:
+                self._pop(d.step_ids[old.execution_id], step.step_id)
+            if old is None or old.execution_id != step.execution_id:
                 ids = d.step_ids.get(step.execution_id)
                 if ids is None:
                     self._set(d.step_ids, step.execution_id, {})
@@ -274,10 +303,6 @@ class _MemoryTx:
             if log is None:
                 self._set(d.events, event.execution_id, [])
                 log = d.events[event.execution_id]
-            if event.seq != len(log) + 1:
-                raise ValueError(
-                    f"event seq {event.seq} of {event.execution_id} is not {len(log) + 1}"
-                )
             log.append(event)
             self._undo.append(log.pop)
 
@@ -295,7 +320,7 @@ class MemoryStore:
 
     async def run(self, fn: Callable[[Any], T]) -> T:
         if self._closed:
-            raise RuntimeError("store is closed")
+            raise StoreError("store is closed")
         tx = _MemoryTx(self._data)
         try:
             return fn(tx)

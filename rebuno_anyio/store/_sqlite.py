@@ -12,14 +12,16 @@ back alone), commits once, wakes every waiter, and hands leadership to the next
 waiting caller. Under load many commands share one fsync; alone, a command pays
 one. The leader's batch is shielded from cancellation so no waiter is stranded.
 
-One kernel per database file: the store takes an advisory `flock` on the file
-(SQLite itself uses `fcntl` locks, which this does not disturb), so a second
-kernel on the same file fails fast with a clear message while backups and
-read-only tools still work.
+One kernel per database file: the store holds an advisory `flock` on a lock
+file beside it (`<db>.lock`), so a second kernel on the same file fails fast
+with a clear message while backups and read-only tools still work. The lock is
+on a separate file because closing any descriptor of the database file itself
+would drop the POSIX locks SQLite holds on it in this process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -63,34 +65,30 @@ _KIND: Final = {k.value: k for k in StepKind}
 _IDEMPOTENCY: Final = {i.value: i for i in Idempotency}
 _SYNCHRONOUS: Final = ("FULL", "NORMAL", "EXTRA")
 
+
+def _upsert(table: str, columns: str) -> str:
+    """An upsert of whole records: every column but the key (the first) is replaced."""
+    names = [c.strip() for c in columns.split(",")]
+    updates = ", ".join(f"{c}=excluded.{c}" for c in names[1:])
+    return (
+        f"INSERT INTO {table} ({columns}) VALUES ({', '.join('?' * len(names))}) "
+        f"ON CONFLICT({names[0]}) DO UPDATE SET {updates}"
+    )
+
+
 _EXEC_COLS: Final = (
     "id, agent_id, status, input, output, state, failure_reason, session, parent_execution_id, "
     "idempotency_key, created_at, updated_at, last_event_seq, dispatch_id, dispatch_status, "
     "dispatch_attempt, dispatch_max_attempts, dispatch_next_attempt_at, dispatch_locked_at"
 )
 _EXEC_SELECT: Final = f"SELECT {_EXEC_COLS} FROM executions"
-_EXEC_UPSERT: Final = (
-    f"INSERT INTO executions ({_EXEC_COLS}) VALUES ({', '.join('?' * 19)}) "
-    "ON CONFLICT(id) DO UPDATE SET status=excluded.status, output=excluded.output, "
-    "state=excluded.state, failure_reason=excluded.failure_reason, "
-    "parent_execution_id=excluded.parent_execution_id, updated_at=excluded.updated_at, "
-    "last_event_seq=excluded.last_event_seq, dispatch_id=excluded.dispatch_id, "
-    "dispatch_status=excluded.dispatch_status, dispatch_attempt=excluded.dispatch_attempt, "
-    "dispatch_max_attempts=excluded.dispatch_max_attempts, "
-    "dispatch_next_attempt_at=excluded.dispatch_next_attempt_at, "
-    "dispatch_locked_at=excluded.dispatch_locked_at"
-)
+_EXEC_UPSERT: Final = _upsert("executions", _EXEC_COLS)
 _STEP_COLS: Final = (
     "step_id, execution_id, kind, target, args_hash, occurrence, status, idempotency, args, "
     "result, error, started_at, completed_at, approval_id, rule_id"
 )
 _STEP_SELECT: Final = f"SELECT {_STEP_COLS} FROM steps"
-_STEP_UPSERT: Final = (
-    f"INSERT INTO steps ({_STEP_COLS}) VALUES ({', '.join('?' * 15)}) "
-    "ON CONFLICT(step_id) DO UPDATE SET status=excluded.status, result=excluded.result, "
-    "error=excluded.error, started_at=excluded.started_at, completed_at=excluded.completed_at, "
-    "approval_id=excluded.approval_id, rule_id=excluded.rule_id"
-)
+_STEP_UPSERT: Final = _upsert("steps", _STEP_COLS)
 _APPROVAL_COLS: Final = (
     "id, execution_id, step_id, status, approvers, message, rule_id, decided_by, decided_at, "
     "rationale, created_at, timeout_at"
@@ -282,18 +280,18 @@ class _SQLiteTx:
     def has_indeterminate(
         self, execution_id: str, kind: StepKind, target: str, args_hash: str
     ) -> bool:
+        # The error's top-level `reason`, not the text anywhere in it.
         row = self._one(
             "SELECT 1 FROM steps WHERE execution_id = ? AND args_hash = ? AND kind = ? "
-            "AND target = ? AND status = 'failed' AND instr(error, ?) > 0 LIMIT 1",
-            (execution_id, args_hash, kind.value, target, '"reason":"indeterminate"'),
+            "AND target = ? AND status = 'failed' AND CASE WHEN json_valid(error) "
+            "THEN json_extract(error, '$.reason') END = 'indeterminate' LIMIT 1",
+            (execution_id, args_hash, kind.value, target),
         )
         return row is not None
 
     def steps(self, execution_id: str, *, terminal_only: bool = False) -> list[Step]:
         where = (
-            " AND status IN ('succeeded', 'failed', 'denied', 'cancelled')"
-            if terminal_only
-            else ""
+            " AND status IN ('succeeded', 'failed', 'denied', 'cancelled')" if terminal_only else ""
         )
         rows = self._all(
             f"{_STEP_SELECT} WHERE execution_id = ?{where} ORDER BY step_id", (execution_id,)
@@ -337,21 +335,24 @@ class _SQLiteTx:
 
     def execution_by_key(self, agent_id: str, idempotency_key: str) -> Execution | None:
         row = self._one(
-            f"{_EXEC_SELECT} WHERE agent_id = ? AND idempotency_key = ? LIMIT 1",
+            f"{_EXEC_SELECT} WHERE agent_id = ? AND idempotency_key = ? "
+            "AND idempotency_key != '' LIMIT 1",
             (agent_id, idempotency_key),
         )
         return None if row is None else _execution(row)
 
     def session_busy(self, session: str) -> bool:
         row = self._one(
-            f"SELECT 1 FROM executions WHERE session = ? AND status IN {_ACTIVE} LIMIT 1",
+            f"SELECT 1 FROM executions WHERE session = ? AND session != '' "
+            f"AND status IN {_ACTIVE} LIMIT 1",
             (session,),
         )
         return row is not None
 
     def session_head(self, session: str, agent_id: str) -> Execution | None:
         row = self._one(
-            f"{_EXEC_SELECT} WHERE session = ? AND status = 'completed' AND agent_id = ? "
+            f"{_EXEC_SELECT} WHERE session = ? AND session != '' AND status = 'completed' "
+            "AND agent_id = ? "
             "ORDER BY updated_at DESC, id DESC LIMIT 1",
             (session, agent_id),
         )
@@ -359,7 +360,8 @@ class _SQLiteTx:
 
     def session_next(self, session: str, excluding: str) -> Execution | None:
         row = self._one(
-            f"{_EXEC_SELECT} WHERE session = ? AND status = 'pending' AND id != ? "
+            f"{_EXEC_SELECT} WHERE session = ? AND session != '' AND status = 'pending' "
+            "AND id != ? "
             "ORDER BY created_at, id LIMIT 1",
             (session, excluding),
         )
@@ -463,8 +465,26 @@ class _SQLiteTx:
         row = self._one("SELECT key, window_start, count FROM rate_buckets WHERE key = ?", (key,))
         return None if row is None else RateBucket(key=row[0], window_start=row[1], count=row[2])
 
+    def _check_events(self, events: Iterable[Event]) -> None:
+        """Refuse, before anything is written, events that would not continue
+        their execution's log gap-free (the primary key alone lets a gap through)."""
+        expected: dict[str, int] = {}
+        for event in events:
+            seq = expected.get(event.execution_id)
+            if seq is None:
+                row = self._one(
+                    "SELECT coalesce(max(seq), 0) FROM events WHERE execution_id = ?",
+                    (event.execution_id,),
+                )
+                seq = (0 if row is None else int(row[0])) + 1
+            if event.seq != seq:
+                raise ValueError(f"event seq {event.seq} of {event.execution_id} is not {seq}")
+            expected[event.execution_id] = seq + 1
+
     def apply(self, change: Change) -> None:
         c = self._c
+        if change.events:
+            self._check_events(change.events)
         if change.executions:
             c.executemany(_EXEC_UPSERT, [_execution_row(e) for e in change.executions])
         if change.steps:
@@ -497,7 +517,6 @@ class _SQLiteTx:
                 [(b.key, b.window_start, b.count) for b in change.rate_buckets],
             )
         if change.events:
-            # The primary key (execution_id, seq) refuses a duplicate or reused seq.
             c.executemany(
                 "INSERT INTO events (execution_id, seq, type, payload, occurred_at) "
                 "VALUES (?, ?, ?, ?, ?)",
@@ -559,7 +578,9 @@ class SQLiteStore:
         """
         mode = synchronous.upper()
         if mode not in _SYNCHRONOUS:
-            raise ValueError(f"synchronous must be one of {', '.join(_SYNCHRONOUS)}, got {synchronous!r}")
+            raise ValueError(
+                f"synchronous must be one of {', '.join(_SYNCHRONOUS)}, got {synchronous!r}"
+            )
         return await anyio.to_thread.run_sync(cls._open_sync, path, mode)
 
     @classmethod
@@ -569,7 +590,12 @@ class SQLiteStore:
             directory = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(directory):
                 raise StoreError(f"cannot create {path}: directory {directory} does not exist")
-            lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            if os.path.isdir(path):
+                raise StoreError(f"cannot open {path}: it is a directory")
+            try:
+                lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as err:
+                raise StoreError(f"cannot open {path}: {err.strerror or err}") from err
             try:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -577,6 +603,7 @@ class SQLiteStore:
                 raise StoreError(
                     f"{path} is in use by another rebuno kernel; stop it or use another --db"
                 ) from None
+        conn = None
         try:
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode = WAL")
@@ -585,10 +612,16 @@ class SQLiteStore:
             conn.execute("PRAGMA foreign_keys = OFF")
             conn.execute("PRAGMA cache_size = -65536")
             cls._migrate(conn)
-        except sqlite3.DatabaseError as err:
+        except BaseException as err:
+            # Whatever went wrong (a file that is not a database, a newer schema),
+            # leave nothing open: the file must not stay locked by this process.
+            if conn is not None:
+                conn.close()
             if lock_fd is not None:
                 os.close(lock_fd)
-            raise StoreError(f"cannot open {path} as a rebuno database: {err}") from err
+            if isinstance(err, sqlite3.DatabaseError):
+                raise StoreError(f"cannot open {path} as a rebuno database: {err}") from err
+            raise
         return cls(conn, path=path, lock_fd=lock_fd)
 
     @staticmethod
@@ -632,20 +665,25 @@ class SQLiteStore:
     def _execute(self, batch: list[_Job]) -> None:
         conn = self._conn
         tx = self._tx
-        conn.execute("BEGIN IMMEDIATE")
         try:
+            # Inside the try: if the transaction cannot even begin (another
+            # process holds the write lock past busy_timeout, the store was
+            # closed), every job must still get an answer, or its caller and
+            # every later one would wait forever.
+            conn.execute("BEGIN IMMEDIATE")
             for job in batch:
                 conn.execute("SAVEPOINT job")
                 try:
                     job.result = job.fn(tx)
-                except BaseException as err:  # noqa: BLE001 - the error goes to its caller
+                except BaseException as err:
                     conn.execute("ROLLBACK TO job")
                     job.error = err
                 conn.execute("RELEASE job")
             conn.execute("COMMIT")
         except BaseException as err:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
             failure = StoreError(f"commit failed: {err}")
             for job in batch:
                 job.result = None
