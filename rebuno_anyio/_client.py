@@ -136,7 +136,9 @@ class Client:
         """Cancel; raises `Terminated` if the execution already ended."""
         await self._request("POST", f"/v0/executions/{execution_id}/cancel")
 
-    async def wait(self, execution_id: str, *, timeout: float | None = None) -> Execution:
+    async def wait(  # noqa: ASYNC109 - a convenience bound, like Client.wait elsewhere
+        self, execution_id: str, *, timeout: float | None = None
+    ) -> Execution:
         """Wait until the execution is completed, failed or cancelled.
 
         Follows the event log with long polls (no busy loop), then returns the

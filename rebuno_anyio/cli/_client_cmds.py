@@ -268,12 +268,13 @@ def exec_events(execution_id: str, after: int, url: str, api_key: str, as_json: 
     async def work(client: Client) -> list[Event]:
         resolved = await _resolve_execution(client, execution_id)
         found: list[Event] = []
+        cursor = after
         while True:
-            page = await client.events(resolved, after_seq=after, limit=1000)
+            page = await client.events(resolved, after_seq=cursor, limit=1000)
             found += page
             if len(page) < 1000:
                 return found
-            after = page[-1].event_seq
+            cursor = page[-1].event_seq
 
     events = _run(url, api_key, work)
     if as_json:

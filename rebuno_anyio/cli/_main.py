@@ -89,7 +89,7 @@ def _config(
         agents = tuple(load_manifest(config)) if config else ()
     except ManifestError as err:
         raise click.ClickException(str(err)) from None
-    from ..policy import compile_bundle_text, policy_hook
+    from ..policy import compile_bundle_text
 
     for agent in agents:
         if agent.policy is not None:
@@ -104,8 +104,6 @@ def _config(
         synchronous=synchronous.upper(),
         agents=agents,
         settings=DispatchSettings(lease_timeout_s=lease_timeout, max_attempts=max_attempts),
-        policy_loader=compile_bundle_text,
-        policy_hook=policy_hook(dev_mode=extra.pop("dev_mode")),
         **extra,
     )
 
@@ -116,7 +114,7 @@ def _config(
               help="SQLite file (created if missing), or :memory: for a throwaway kernel.")
 def dev(db: str, log_level: str, **options: Any) -> None:
     """Run an embedded kernel for development: SQLite, no auth."""
-    _run(_config(db=db, dev_mode=True, **options), log_level, banner="rebuno dev kernel")
+    _run(_config(db=db, **options), log_level, banner="rebuno dev kernel")
 
 
 @cli.command()
@@ -151,7 +149,6 @@ def server(
         bearer_token=bearer_token,
         principals=named,
         allow_body_form=not v1_only,
-        dev_mode=False,
         **options,
     )
     _run(config, log_level, banner="rebuno server")

@@ -17,6 +17,7 @@ from anyio.abc import TaskStatus
 from rebuno_proto import Agent, DispatchSettings
 
 from .._server import HttpServer, ServerLimits
+from ..policy import compile_bundle_text, policy_hook
 from ..store import open_store
 from ._api import KernelAPI, PolicyLoader
 from ._dispatcher import Dispatcher
@@ -71,12 +72,14 @@ class RunningKernel:
 async def _register(kernel: Kernel, agents: tuple[ManifestAgent, ...]) -> None:
     for entry in agents:
         existing = await kernel.agent(entry.id)
+        # The manifest is the record for what it states; a policy it does not
+        # state (one loaded through the API or CLI) survives a restart.
         agent = Agent(
             id=entry.id,
             webhook_url=entry.webhook_url,
             secret=entry.secret,
             registered_at=kernel.clock() if existing is None else existing.registered_at,
-            policy=entry.policy,
+            policy=entry.policy if entry.policy is not None or existing is None else existing.policy,
         )
         if existing is not None:
             agent = dataclasses.replace(
@@ -100,16 +103,19 @@ async def serve_kernel(
     """
     store = await open_store(config.db, synchronous=config.synchronous)
     try:
-        kernel = Kernel(store, settings=config.settings)
-        if config.policy_hook is not None:
-            kernel.policy = config.policy_hook
+        dev_mode = config.bearer_token is None and not config.principals
+        kernel = Kernel(
+            store,
+            settings=config.settings,
+            policy=config.policy_hook or policy_hook(dev_mode=dev_mode),
+        )
         await _register(kernel, config.agents)
         api = KernelAPI(
             kernel,
             bearer_token=config.bearer_token,
             principals=config.principals,
             allow_body_form=config.allow_body_form,
-            policy_loader=config.policy_loader,
+            policy_loader=config.policy_loader or compile_bundle_text,
         )
         server = HttpServer(api, limits=config.limits)
         dispatcher = Dispatcher(kernel, poll_interval_s=config.poll_interval_s)
