@@ -88,10 +88,12 @@ from ._kernel import (
     expire_approval,
     fail_execution,
     heartbeat,
+    holds_lease,
     lease_lapsed,
     previous_state,
     reclaim_lease,
     record_delivery,
+    retire_lease_after_restart,
 )
 from ._outcome import (
     Change,
@@ -329,6 +331,7 @@ __all__ = [
     "glob_error",
     "glob_match",
     "heartbeat",
+    "holds_lease",
     "heartbeat_interval",
     "interpret",
     "lease_lapsed",
@@ -353,6 +356,7 @@ __all__ = [
     "rate_key",
     "reclaim_lease",
     "record_delivery",
+    "retire_lease_after_restart",
     "rfc3339",
     "sign_request",
     "sign_webhook",

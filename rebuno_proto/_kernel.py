@@ -53,8 +53,10 @@ __all__ = [
     "fail_execution",
     "heartbeat",
     "previous_state",
+    "holds_lease",
     "reclaim_lease",
     "record_delivery",
+    "retire_lease_after_restart",
 ]
 
 _T: Final = EventType
@@ -403,6 +405,46 @@ def reclaim_lease(*, execution: Execution, now: float, settings: DispatchSetting
     execution = tx.put(dataclasses.replace(tx.track(execution), dispatch=requeued))
     tx.log(execution).dispatch(_T.DISPATCH_QUEUED, requeued, "pending")
     tx.dispatch_due_at = now
+    return tx.outcome(True)
+
+
+def holds_lease(execution: Execution) -> bool:
+    """Whether some agent may still act under a lease of this execution: an
+    in-flight dispatch, or one retired by the execution's own block."""
+    dispatch = execution.dispatch
+    if dispatch is None or execution.status.is_terminal:
+        return False
+    return dispatch.status is DispatchStatus.IN_FLIGHT or (
+        dispatch.status is DispatchStatus.EXHAUSTED and execution.status is ExecutionStatus.BLOCKED
+    )
+
+
+def retire_lease_after_restart(*, execution: Execution, now: float) -> Outcome[bool]:
+    """A kernel (re)start retires every lease granted before it.
+
+    The occurrence counters of a dispatch attempt live only in the kernel's
+    memory (they reset at every claim anyway), so after a restart no earlier
+    attempt may submit again: an in-flight dispatch is re-queued at once (the
+    next claim re-delivers it with attempt + 1 and a fresh count; the old
+    handler gets `lease_superseded`), and a dispatch retired by a block moves to
+    a new attempt so its lease no longer matches. A crashed kernel's runs are
+    re-dispatched immediately instead of after a lease timeout.
+    """
+    if not holds_lease(execution):
+        return Outcome(reply=False)
+    dispatch = execution.dispatch
+    assert dispatch is not None
+    tx = Tx(now)
+    execution = tx.track(execution)
+    status = advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.KERNEL_RESTARTED)
+    if status is DispatchStatus.PENDING:
+        requeued = dataclasses.replace(dispatch, status=status, next_attempt_at=now, locked_at=None)
+        execution = tx.put(dataclasses.replace(execution, dispatch=requeued))
+        tx.log(execution).dispatch(_T.DISPATCH_QUEUED, requeued, "pending")
+        tx.dispatch_due_at = now
+    else:
+        retired = dataclasses.replace(dispatch, attempt=dispatch.attempt + 1)
+        tx.put(dataclasses.replace(execution, dispatch=retired))
     return tx.outcome(True)
 
 

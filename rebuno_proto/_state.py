@@ -116,6 +116,7 @@ class DispatchTrigger(enum.Enum):
     LEASE_LAPSED = "lease_lapsed"  # reaper: back to the queue for re-delivery
     CLAIM_REFUSED = "claim_refused"  # max attempts reached, or execution terminal
     RELEASED = "released"  # execution blocked or terminal
+    KERNEL_RESTARTED = "kernel_restarted"  # every lease held before a restart is retired
 
 
 class ApprovalStatus(enum.Enum):
@@ -181,6 +182,11 @@ DISPATCH_TRANSITIONS: Final[Mapping[tuple[DispatchStatus, DispatchTrigger], Disp
     (_D.IN_FLIGHT, _DT.RELEASED): _D.EXHAUSTED,
     (_D.FAILED, _DT.RELEASED): _D.EXHAUSTED,
     (_D.EXHAUSTED, _DT.RELEASED): _D.EXHAUSTED,
+    # A restart retires every lease: an in-flight dispatch is re-queued (the next
+    # claim re-delivers it with attempt + 1); the dispatch a block retired moves
+    # to a new attempt, so its old lease stops matching.
+    (_D.IN_FLIGHT, _DT.KERNEL_RESTARTED): _D.PENDING,
+    (_D.EXHAUSTED, _DT.KERNEL_RESTARTED): _D.EXHAUSTED,
 }
 
 _A = ApprovalStatus

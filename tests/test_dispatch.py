@@ -35,6 +35,7 @@ from rebuno_proto import (
     DispatchSettings,
     DispatchStatus,
     ErrorCode,
+    Execution,
     ExecutionCompletion,
     ExecutionFailure,
     ExecutionStatus,
@@ -50,6 +51,7 @@ from rebuno_proto import (
     complete_execution,
     fail_execution,
     heartbeat,
+    holds_lease,
     lease_lapsed,
     lease_refusal,
     lease_status,
@@ -57,6 +59,7 @@ from rebuno_proto import (
     parse_step_submission,
     reclaim_lease,
     record_delivery,
+    retire_lease_after_restart,
     step_id,
 )
 from rebuno_proto._dispatch import RENEW_EVERY_S, new_dispatch, renew_lease, retire
@@ -826,3 +829,76 @@ def test_repeated_identical_calls_differ_only_in_occurrence(
         for _ in range(repeats)
     ]
     assert again == ids
+
+
+# -- a kernel restart retires every lease --------------------------------------------
+
+
+def test_restart_requeues_an_in_flight_dispatch_at_once() -> None:
+    ex = execution(dispatch_record=dispatch(attempt=3, locked_at=T0))
+    assert holds_lease(ex)
+    outcome = retire_lease_after_restart(execution=ex, now=T0 + 1)
+    assert outcome.reply is True
+    (written,) = outcome.change.executions
+    assert written.dispatch is not None
+    assert (
+        written.dispatch.status,
+        written.dispatch.attempt,
+        written.dispatch.next_attempt_at,
+    ) == (
+        DispatchStatus.PENDING,
+        3,
+        T0 + 1,
+    )
+    assert event_types(outcome.change) == ["dispatch.queued"]
+    assert outcome.dispatch_due_at == T0 + 1
+    # The old lease is superseded; the next claim re-delivers with attempt + 1.
+    assert lease_status(written, Lease(dispatch_id=DISPATCH_ID, attempt=3), None) is (
+        LeaseStatus.SUPERSEDED
+    )
+    delivery = reply(
+        claim_dispatch(
+            execution=written, session=NO_SESSION, new_id=no_ids, now=T0 + 1, settings=SETTINGS
+        )
+    )
+    assert delivery is not None and delivery.attempt == 4
+
+
+def test_restart_moves_a_block_retired_dispatch_to_a_new_attempt() -> None:
+    ex = execution(
+        status=ExecutionStatus.BLOCKED,
+        dispatch_record=dispatch(attempt=2, status=DispatchStatus.EXHAUSTED),
+    )
+    old = Lease(dispatch_id=DISPATCH_ID, attempt=2)
+    assert holds_lease(ex)
+    assert lease_status(ex, old, None) is LeaseStatus.RETIRED_BY_BLOCK
+    outcome = retire_lease_after_restart(execution=ex, now=T0)
+    assert outcome.reply is True
+    (written,) = outcome.change.executions
+    assert written.dispatch is not None
+    assert (written.dispatch.status, written.dispatch.attempt) == (DispatchStatus.EXHAUSTED, 3)
+    assert outcome.change.events == ()
+    assert lease_status(written, old, None) is LeaseStatus.SUPERSEDED
+
+
+@pytest.mark.parametrize(
+    "ex",
+    [
+        dataclasses.replace(execution(), dispatch=None),
+        execution(dispatch_record=dispatch(status=DispatchStatus.PENDING)),
+        execution(dispatch_record=dispatch(status=DispatchStatus.FAILED)),
+        execution(
+            status=ExecutionStatus.COMPLETED,
+            dispatch_record=dispatch(status=DispatchStatus.EXHAUSTED),
+        ),
+        execution(
+            status=ExecutionStatus.RUNNING,
+            dispatch_record=dispatch(status=DispatchStatus.EXHAUSTED),
+        ),
+    ],
+)
+def test_restart_leaves_executions_without_a_lease_alone(ex: Execution) -> None:
+    assert not holds_lease(ex)
+    outcome = retire_lease_after_restart(execution=ex, now=T0)
+    assert outcome.reply is False
+    assert outcome.change.is_empty

@@ -72,7 +72,7 @@ def test_every_pair_follows_the_table_or_raises(
 def test_pair_count() -> None:
     """Every enum combination is visited above."""
     assert (
-        len(PAIRS) == sum(len(s) * len(t) for _, s, t in TABLES) == 6 * 7 + 8 * 11 + 4 * 8 + 4 * 3
+        len(PAIRS) == sum(len(s) * len(t) for _, s, t in TABLES) == 6 * 7 + 8 * 11 + 4 * 9 + 4 * 3
     )
 
 
@@ -113,10 +113,13 @@ def test_approval_decided_only_once() -> None:
     assert {status for status, _ in APPROVAL_TRANSITIONS} == {ApprovalStatus.PENDING}
 
 
-def test_dispatch_exhausted_only_releases() -> None:
+def test_dispatch_exhausted_only_releases_or_retires() -> None:
     assert [(s, t) for s, t in DISPATCH_TRANSITIONS if s is DispatchStatus.EXHAUSTED] == [
-        (DispatchStatus.EXHAUSTED, DispatchTrigger.RELEASED)
+        (DispatchStatus.EXHAUSTED, DispatchTrigger.RELEASED),
+        (DispatchStatus.EXHAUSTED, DispatchTrigger.KERNEL_RESTARTED),
     ]
+    for trigger in (DispatchTrigger.RELEASED, DispatchTrigger.KERNEL_RESTARTED):
+        assert DISPATCH_TRANSITIONS[(DispatchStatus.EXHAUSTED, trigger)] is DispatchStatus.EXHAUSTED
 
 
 def test_every_status_is_reachable() -> None:

@@ -2009,7 +2009,13 @@ async def test_sqlite_survives_reopen(tmp_path: Path, anyio_backend: str) -> Non
     reopened = await SQLiteStore.open(path)
     try:
         assert reopened.schema_version() == _latest_migration()
-        assert await reopened.run(_snapshot) == before
+        after = await reopened.run(_snapshot)
+        # Occurrence counters are kept in memory only: a restarted kernel retires
+        # every lease first (rebuno_proto.retire_lease_after_restart), so none
+        # of them is needed again. Everything else survives exactly.
+        assert any(v is not None for v in before.pop("counters").values())
+        assert all(v is None for v in after.pop("counters").values())
+        assert after == before
         assert before["executions"]
         assert before["approvals"]
         assert before["pending"]

@@ -110,6 +110,9 @@ async def serve_kernel(
             policy=config.policy_hook or policy_hook(dev_mode=dev_mode),
         )
         await _register(kernel, config.agents)
+        retired = await kernel.retire_leases()
+        if retired:
+            log.info("retired %d lease(s) granted before this start; re-delivering", retired)
         api = KernelAPI(
             kernel,
             bearer_token=config.bearer_token,

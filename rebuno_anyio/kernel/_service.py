@@ -59,6 +59,7 @@ from rebuno_proto import (
     previous_state,
     reclaim_lease,
     record_delivery,
+    retire_lease_after_restart,
     step_key,
     submission_hash,
 )
@@ -459,7 +460,9 @@ class Kernel:
         first new one (a long poll) instead of returning an empty page."""
         deadline = anyio.current_time() + wait_s
         while True:
-            waiter = self._event_waiters.setdefault(execution_id, anyio.Event())
+            waiter = None
+            if wait_s > 0:  # only a long poll registers a waiter: plain reads leave no trace
+                waiter = self._event_waiters.setdefault(execution_id, anyio.Event())
 
             def run(tx: Tx) -> list[Event] | Refusal:
                 if tx.execution(execution_id) is None:
@@ -467,7 +470,11 @@ class Kernel:
                 return tx.events(execution_id, after_seq=after_seq, limit=limit)
 
             found = await self.store.run(run)
-            if isinstance(found, Refusal) or found or anyio.current_time() >= deadline:
+            if isinstance(found, Refusal):
+                if waiter is not None and self._event_waiters.get(execution_id) is waiter:
+                    del self._event_waiters[execution_id]  # no such execution to wait for
+                return found
+            if found or waiter is None or anyio.current_time() >= deadline:
                 return found
             with anyio.move_on_after(deadline - anyio.current_time()):
                 await waiter.wait()
@@ -518,6 +525,25 @@ class Kernel:
             return reclaim_lease(execution=execution, now=now, settings=self.settings)
 
         return await self._command(rule) is True
+
+    async def retire_leases(self) -> int:
+        """At start: retire every lease granted before (see
+        `rebuno_proto.retire_lease_after_restart`); returns how many."""
+        count, after = 0, ""
+        while True:
+            page = await self.store.run(lambda tx, after=after: tx.leased(after, 200))
+            for execution_id in page:
+
+                def rule(tx: Tx, now: float, execution_id: str = execution_id) -> Outcome[bool]:
+                    execution = tx.execution(execution_id)
+                    if execution is None:
+                        return Outcome(reply=False)
+                    return retire_lease_after_restart(execution=execution, now=now)
+
+                count += await self._command(rule) is True
+            if len(page) < 200:
+                return count
+            after = page[-1]
 
     async def expire(self, approval_id: str) -> bool:
         def rule(tx: Tx, now: float) -> Outcome[bool]:

@@ -24,6 +24,7 @@ from rebuno_proto import (
     Step,
     StepKind,
     StepStatus,
+    holds_lease,
 )
 
 from ._base import StoreError
@@ -224,6 +225,13 @@ class _MemoryTx:
     def oldest_lease_at(self) -> float | None:
         leases = self._in_flight()
         return leases[0][0] if leases else None
+
+    def leased(self, after_id: str, limit: int) -> list[str]:
+        return sorted(
+            e.id
+            for e in self._d.executions.values()
+            if e.id > after_id and holds_lease(e)
+        )[:limit]
 
     def _pending_approvals(self) -> list[tuple[float, str]]:
         return sorted(

@@ -241,13 +241,85 @@ def _agent(row: tuple[Any, ...]) -> Agent:
     )
 
 
+CounterKey = tuple[str, str, str, str]
+
+
+class _CounterLayer:
+    """Counter writes not yet committed: values set, executions cleared."""
+
+    __slots__ = ("cleared", "values")
+
+    def __init__(self) -> None:
+        self.values: dict[CounterKey, int] = {}
+        self.cleared: set[str] = set()
+
+    def clear(self, execution_id: str) -> None:
+        for key in [k for k in self.values if k[0] == execution_id]:
+            del self.values[key]
+        self.cleared.add(execution_id)
+
+    def merge_into(self, lower: _CounterLayer) -> None:
+        for execution_id in self.cleared:
+            lower.clear(execution_id)
+        lower.values.update(self.values)
+
+
+class _Counters:
+    """Occurrence counters, in memory only.
+
+    They count the effects of one dispatch *attempt*, every claim clears them,
+    and a kernel restart retires every lease granted before it
+    (`rebuno_proto.retire_lease_after_restart`), so no counter ever needs to
+    outlive the process: keeping them out of the file spares every submission a
+    durable write. Writes follow the transaction: a command's own layer (its
+    savepoint), the batch's layer, then the committed map.
+    """
+
+    __slots__ = ("batch", "by_execution", "committed", "job")
+
+    def __init__(self) -> None:
+        self.committed: dict[CounterKey, int] = {}
+        self.by_execution: dict[str, set[CounterKey]] = {}
+        self.batch = _CounterLayer()
+        self.job = _CounterLayer()
+
+    def get(self, key: CounterKey) -> int | None:
+        for layer in (self.job, self.batch):
+            if key in layer.values:
+                return layer.values[key]
+            if key[0] in layer.cleared:
+                return None
+        return self.committed.get(key)
+
+    def put(self, key: CounterKey, value: int) -> None:
+        current = self.get(key)
+        self.job.values[key] = value if current is None else max(current, value)
+
+    def end_job(self, *, keep: bool) -> None:
+        if keep:
+            self.job.merge_into(self.batch)
+        self.job = _CounterLayer()
+
+    def end_batch(self, *, keep: bool) -> None:
+        self.end_job(keep=False)
+        if keep:
+            for execution_id in self.batch.cleared:
+                for key in self.by_execution.pop(execution_id, ()):
+                    self.committed.pop(key, None)
+            for key, value in self.batch.values.items():
+                self.committed[key] = value
+                self.by_execution.setdefault(key[0], set()).add(key)
+        self.batch = _CounterLayer()
+
+
 class _SQLiteTx:
     """Reads and writes of one command, on the store's connection."""
 
-    __slots__ = ("_c",)
+    __slots__ = ("_c", "_counters")
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, counters: _Counters) -> None:
         self._c = conn
+        self._counters = counters
 
     def _one(self, sql: str, args: Iterable[Any]) -> tuple[Any, ...] | None:
         row: tuple[Any, ...] | None = self._c.execute(sql, tuple(args)).fetchone()
@@ -266,12 +338,7 @@ class _SQLiteTx:
         return None if row is None else _step(row)
 
     def counter(self, execution_id: str, kind: StepKind, target: str, args_hash: str) -> int | None:
-        row = self._one(
-            "SELECT value FROM step_counters WHERE execution_id = ? AND kind = ? AND target = ? "
-            "AND args_hash = ?",
-            (execution_id, kind.value, target, args_hash),
-        )
-        return None if row is None else int(row[0])
+        return self._counters.get((execution_id, kind.value, target, args_hash))
 
     def dispatch_owner(self, dispatch_id: str) -> str | None:
         row = self._one("SELECT execution_id FROM dispatches WHERE id = ?", (dispatch_id,))
@@ -424,6 +491,14 @@ class _SQLiteTx:
         )
         return None if row is None or row[0] is None else float(row[0])
 
+    def leased(self, after_id: str, limit: int) -> list[str]:
+        rows = self._all(
+            "SELECT id FROM executions WHERE id > ? AND (dispatch_status = 'in_flight' "
+            "OR (status = 'blocked' AND dispatch_status = 'exhausted')) ORDER BY id LIMIT ?",
+            (after_id, limit),
+        )
+        return [r[0] for r in rows]
+
     def due_approvals(self, now: float, limit: int) -> list[str]:
         rows = self._all(
             "SELECT id FROM approvals WHERE status = 'pending' AND timeout_at <= ? "
@@ -482,9 +557,26 @@ class _SQLiteTx:
             expected[event.execution_id] = seq + 1
 
     def apply(self, change: Change) -> None:
+        """Write a change atomically: all of it, or (if it raises) none of it."""
         c = self._c
         if change.events:
             self._check_events(change.events)
+        c.execute("SAVEPOINT apply")
+        try:
+            self._write(change)
+        except BaseException:
+            c.execute("ROLLBACK TO apply")
+            c.execute("RELEASE apply")
+            raise
+        c.execute("RELEASE apply")
+        # Counters last: they are in memory and cannot fail.
+        for execution_id in change.cleared_counters:
+            self._counters.job.clear(execution_id)
+        for w in change.counters:
+            self._counters.put((w.execution_id, w.kind.value, w.target, w.args_hash), w.value)
+
+    def _write(self, change: Change) -> None:
+        c = self._c
         if change.executions:
             c.executemany(_EXEC_UPSERT, [_execution_row(e) for e in change.executions])
         if change.steps:
@@ -494,18 +586,6 @@ class _SQLiteTx:
                 f"INSERT OR REPLACE INTO approvals ({_APPROVAL_COLS}) "
                 f"VALUES ({', '.join('?' * 12)})",
                 [_approval_row(a) for a in change.approvals],
-            )
-        for execution_id in change.cleared_counters:
-            c.execute("DELETE FROM step_counters WHERE execution_id = ?", (execution_id,))
-        if change.counters:
-            c.executemany(
-                "INSERT INTO step_counters (execution_id, kind, target, args_hash, value) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
-                "value = max(value, excluded.value)",
-                [
-                    (w.execution_id, w.kind.value, w.target, w.args_hash, w.value)
-                    for w in change.counters
-                ],
             )
         if change.new_dispatches:
             c.executemany(
@@ -554,7 +634,8 @@ class SQLiteStore:
         self._conn = conn
         self._path = path
         self._lock_fd = lock_fd
-        self._tx = _SQLiteTx(conn)
+        self._counters = _Counters()
+        self._tx = _SQLiteTx(conn, self._counters)
         self._queue: deque[_Job] = deque()
         self._busy = False
         self._closed = False
@@ -677,10 +758,15 @@ class SQLiteStore:
                     job.result = job.fn(tx)
                 except BaseException as err:
                     conn.execute("ROLLBACK TO job")
+                    self._counters.end_job(keep=False)
                     job.error = err
+                else:
+                    self._counters.end_job(keep=True)
                 conn.execute("RELEASE job")
             conn.execute("COMMIT")
+            self._counters.end_batch(keep=True)
         except BaseException as err:
+            self._counters.end_batch(keep=False)
             with contextlib.suppress(sqlite3.Error):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
