@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -45,7 +45,7 @@ KERNEL = """
 import anyio, sys
 from rebuno_anyio.kernel import KernelConfig, serve_kernel
 from rebuno_proto import DispatchSettings
-cfg = KernelConfig(db=sys.argv[1], port=0, synchronous=sys.argv[3],
+cfg = KernelConfig(db=sys.argv[1], port=int(sys.argv[4]), synchronous=sys.argv[3],
                    settings=DispatchSettings(lease_timeout_s=float(sys.argv[2])), poll_interval_s=0.2)
 async def main():
     async with anyio.create_task_group() as tg:
@@ -69,9 +69,7 @@ anyio.run(main)
 
 
 def spawn(code: str, *args: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
         match = re.search(r"listening on (http://\S+)", line)
@@ -115,14 +113,26 @@ class Driver:
 
     async def call(self, method: str, path: str, body: bytes, lease: dict[str, Any] | None) -> Any:
         ts = int(time.time())
-        headers = [("Content-Type", "application/json"), ("Rebuno-Agent-Id", AGENT), ("Rebuno-Timestamp", str(ts))]
+        headers = [
+            ("Content-Type", "application/json"),
+            ("Rebuno-Agent-Id", AGENT),
+            ("Rebuno-Timestamp", str(ts)),
+        ]
         dispatch_id = attempt = None
         if lease is not None:
             dispatch_id, attempt = lease["dispatch_id"], lease["dispatch_attempt"]
-            headers += [("Rebuno-Dispatch-Id", dispatch_id), ("Rebuno-Dispatch-Attempt", str(attempt))]
+            headers += [
+                ("Rebuno-Dispatch-Id", dispatch_id),
+                ("Rebuno-Dispatch-Attempt", str(attempt)),
+            ]
         signature = sign_request(
-            SECRET, method=method, target=self.http.target(path), timestamp=ts, body=body,
-            dispatch_id=dispatch_id, attempt=attempt,
+            SECRET,
+            method=method,
+            target=self.http.target(path),
+            timestamp=ts,
+            body=body,
+            dispatch_id=dispatch_id,
+            attempt=attempt,
         )
         headers.append(("Rebuno-Signature", signature))
         response = await self.http.request(method, path, headers=headers, body=body)
@@ -132,7 +142,10 @@ class Driver:
 
     async def admin(self, method: str, path: str, body: Any) -> Any:
         response = await self.http.request(
-            method, path, headers=[("Content-Type", "application/json")], body=json.dumps(body).encode()
+            method,
+            path,
+            headers=[("Content-Type", "application/json")],
+            body=json.dumps(body).encode(),
         )
         assert response.status < 300, response.body
         return json.loads(response.body) if response.body else None
@@ -149,12 +162,24 @@ class Driver:
         return created["id"], await self.lease_for(created["id"], 1)
 
     async def step(self, execution_id: str, lease: dict[str, Any], i: int) -> str:
-        body = json.dumps({"kind": "tool_call", "target": "tool", "args": {"i": i, "q": "hello world"},
-                           "idempotency": "safe_to_retry", "resources": []}).encode()
+        body = json.dumps(
+            {
+                "kind": "tool_call",
+                "target": "tool",
+                "args": {"i": i, "q": "hello world"},
+                "idempotency": "safe_to_retry",
+                "resources": [],
+            }
+        ).encode()
         decision = await self.call("POST", f"/v0/executions/{execution_id}/steps", body, lease)
         if decision["decision"] == "proceed":
             result = json.dumps({"result": {"i": i, "ok": True}}).encode()
-            await self.call("POST", f"/v0/executions/{execution_id}/steps/{decision['step_id']}/complete", result, lease)
+            await self.call(
+                "POST",
+                f"/v0/executions/{execution_id}/steps/{decision['step_id']}/complete",
+                result,
+                lease,
+            )
         return str(decision["decision"])
 
 
@@ -178,18 +203,32 @@ async def steps_per_second(driver: Driver, executions: int, seconds: float) -> f
     return count / (time.perf_counter() - start)
 
 
-async def replay_cost(driver: Driver, steps: int) -> tuple[float, float]:
-    """(seconds per recorded step, seconds per replayed step)."""
-    execution_id, lease = await driver.start()
+async def replay_cost(
+    driver: Driver, steps: int, total: int, restart: Callable[[], None]
+) -> tuple[float, float]:
+    """(seconds per recorded step, seconds per replayed step) for executions of
+    `steps` recorded steps; enough executions that about `total` steps replay,
+    so short histories are timed over as many steps as long ones.
+
+    The re-delivery comes from restarting the kernel (SIGKILL, start on the same
+    file): a start retires every earlier lease and re-delivers at once."""
+    executions = [await driver.start() for _ in range(max(1, total // steps))]
     start = time.perf_counter()
-    for i in range(steps):
-        assert await driver.step(execution_id, lease, i) == "proceed"
-    record = (time.perf_counter() - start) / steps
-    second = await driver.lease_for(execution_id, 2)  # the lease lapses: re-delivered
+    for execution_id, lease in executions:
+        for i in range(steps):
+            assert await driver.step(execution_id, lease, i) == "proceed"
+    count = steps * len(executions)
+    record = (time.perf_counter() - start) / count
+    restart()
+    await driver.http.aclose()
+    driver.http = HttpClient(driver.url, max_connections=64)
+    seconds = [await driver.lease_for(execution_id, 2) for execution_id, _ in executions]
     start = time.perf_counter()
-    for i in range(steps):
-        assert await driver.step(execution_id, second, i) == "replay"
-    return record, (time.perf_counter() - start) / steps
+    for (execution_id, _), lease in zip(executions, seconds, strict=True):
+        for i in range(steps):
+            got = await driver.step(execution_id, lease, i)
+            assert got == "replay", (got, i, lease)
+    return record, (time.perf_counter() - start) / count
 
 
 async def http_floor(url: str, seconds: float, concurrency: int) -> float:
@@ -200,7 +239,9 @@ async def http_floor(url: str, seconds: float, concurrency: int) -> float:
     async def worker() -> None:
         nonlocal count
         while time.perf_counter() < deadline:
-            await client.request("POST", "/x", headers=[("Content-Type", "application/json")], body=b"{}")
+            await client.request(
+                "POST", "/x", headers=[("Content-Type", "application/json")], body=b"{}"
+            )
             count += 1
 
     start = time.perf_counter()
@@ -213,37 +254,62 @@ async def http_floor(url: str, seconds: float, concurrency: int) -> float:
 
 async def run(options: argparse.Namespace, tmp: str) -> dict[str, Any]:
     results: dict[str, Any] = {"synchronous": options.synchronous}
-    results["sqlite_commits_per_s"] = sqlite_floor(os.path.join(tmp, "floor.db"), options.synchronous, options.seconds)
+    results["sqlite_commits_per_s"] = sqlite_floor(
+        os.path.join(tmp, "floor.db"), options.synchronous, options.seconds
+    )
     echo, echo_url = spawn(ECHO)
     try:
         results["http_rtt_per_s_1"] = await http_floor(echo_url, options.seconds, 1)
         results["http_rtt_per_s_16"] = await http_floor(echo_url, options.seconds, 16)
     finally:
         echo.kill()
-    kernel, url = spawn(KERNEL, os.path.join(tmp, "kernel.db"), str(options.lease), options.synchronous)
+    db = os.path.join(tmp, "kernel.db")
+    kernel, url = spawn(KERNEL, db, str(options.lease), options.synchronous, "0")
+    procs = [kernel]
+
+    def restart() -> None:
+        procs[-1].kill()
+        procs[-1].wait()
+        procs.append(
+            spawn(KERNEL, db, str(options.lease), options.synchronous, url.rsplit(":", 1)[1])[0]
+        )
+
     try:
         driver = Driver(url)
         async with anyio.create_task_group() as tg:
             port = await tg.start(HttpServer(driver.webhook).serve, "127.0.0.1", 0)
-            await driver.admin("POST", "/v0/agents", {"id": AGENT, "webhook_url": f"http://127.0.0.1:{port}/webhook", "secret": SECRET.decode()})
+            await driver.admin(
+                "POST",
+                "/v0/agents",
+                {
+                    "id": AGENT,
+                    "webhook_url": f"http://127.0.0.1:{port}/webhook",
+                    "secret": SECRET.decode(),
+                },
+            )
             results["steps_per_s_1"] = await steps_per_second(driver, 1, options.seconds)
             results["steps_per_s_16"] = await steps_per_second(driver, 16, options.seconds)
             for n in options.replay:
-                record, replay = await replay_cost(driver, n)
+                record, replay = await replay_cost(driver, n, max(options.replay), restart)
                 results[f"record_ms_per_step_{n}"] = record * 1000
                 results[f"replay_ms_per_step_{n}"] = replay * 1000
             tg.cancel_scope.cancel()
         await driver.http.aclose()
     finally:
-        kernel.kill()
+        for proc in procs:
+            proc.kill()
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="kernel steps/s and replay cost over HTTP")
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--replay", default="100,10000", help="recorded-step counts for the replay test")
-    parser.add_argument("--lease", type=float, default=2.0, help="lease timeout of the benchmark kernel (s)")
+    parser.add_argument(
+        "--replay", default="100,10000", help="recorded-step counts for the replay test"
+    )
+    parser.add_argument(
+        "--lease", type=float, default=120.0, help="lease timeout of the benchmark kernel (s)"
+    )
     parser.add_argument("--synchronous", default="FULL", choices=["FULL", "NORMAL"])
     parser.add_argument("--json", action="store_true")
     options = parser.parse_args()
@@ -253,17 +319,27 @@ def main() -> None:
     if options.json:
         print(json.dumps(results, indent=2))
         return
-    sqlite, rtt1, rtt16 = results["sqlite_commits_per_s"], results["http_rtt_per_s_1"], results["http_rtt_per_s_16"]
-    print(f"floors: SQLite commits/s ({options.synchronous}) {sqlite:,.0f}; HTTP round trips/s {rtt1:,.0f} (1 conn), {rtt16:,.0f} (16)")
+    sqlite, rtt1, rtt16 = (
+        results["sqlite_commits_per_s"],
+        results["http_rtt_per_s_1"],
+        results["http_rtt_per_s_16"],
+    )
+    print(
+        f"floors: SQLite commits/s ({options.synchronous}) {sqlite:,.0f}; HTTP round trips/s {rtt1:,.0f} (1 conn), {rtt16:,.0f} (16)"
+    )
     for n in (1, 16):
         sps = results[f"steps_per_s_{n}"]
         rtt = results[f"http_rtt_per_s_{n}"]
-        print(f"steps/s, {n:>2} executions: {sps:,.0f}  (x{sps / sqlite:.2f} of SQLite commits/s, x{2 * sps / rtt:.2f} of HTTP round trips)")
+        print(
+            f"steps/s, {n:>2} executions: {sps:,.0f}  (x{sps / sqlite:.2f} of SQLite commits/s, x{2 * sps / rtt:.2f} of HTTP round trips)"
+        )
     base = None
     for n in options.replay:
         replay = results[f"replay_ms_per_step_{n}"]
         base = base or replay
-        print(f"replay, {n:>6} steps: {replay:.3f} ms/step (recording {results[f'record_ms_per_step_{n}']:.3f} ms/step), x{replay / base:.2f} of the first")
+        print(
+            f"replay, {n:>6} steps: {replay:.3f} ms/step (recording {results[f'record_ms_per_step_{n}']:.3f} ms/step), x{replay / base:.2f} of the first"
+        )
 
 
 if __name__ == "__main__":
