@@ -68,7 +68,9 @@ class Client:
         try:
             response = await self._http.request(method, path, **kwargs)
         except (httpx.TransportError, httpx.TimeoutException) as err:
-            raise NetworkError(f"{method} {self.base_url}{path}: {err or type(err).__name__}") from err
+            raise NetworkError(
+                f"{method} {self.base_url}{path}: {str(err) or type(err).__name__}"
+            ) from err
         if response.status_code >= 400:
             try:
                 body = response.json()
@@ -125,10 +127,13 @@ class Client:
         params: dict[str, Any] = {"limit": limit}
         if after_seq:
             params["after_seq"] = after_seq
+        extra: dict[str, Any] = {}
         if wait:
             params["wait"] = int(min(max(wait, 1), 30))
+            # The kernel holds the request up to `wait` s: allow for it on top.
+            extra["timeout"] = self._timeout + params["wait"]
         response = await self._request(
-            "GET", f"/v0/executions/{execution_id}/events", params=params
+            "GET", f"/v0/executions/{execution_id}/events", params=params, **extra
         )
         return [Event.model_validate(e) for e in response.json() or []]
 
@@ -153,9 +158,7 @@ class Client:
                 execution = await self.get(execution_id)
                 if execution.is_terminal:
                     return execution
-                events = await self.events(
-                    execution_id, after_seq=after, limit=1000, wait=min(self._timeout - 5, 25)
-                )
+                events = await self.events(execution_id, after_seq=after, limit=1000, wait=25)
                 if events:
                     after = events[-1].event_seq
 
@@ -172,8 +175,15 @@ class Client:
 
     # -- approvals ----------------------------------------------------------------
 
-    async def list_approvals(self, *, status: str = "pending") -> _List[Approval]:
-        response = await self._request("GET", "/v0/approvals", params={"status": status})
+    async def list_approvals(
+        self, *, status: str = "pending", limit: int | None = None
+    ) -> _List[Approval]:
+        """Approvals with `status` (`pending`, `granted`, `denied`, `expired` or
+        `all`), oldest first; `limit` (kernel default 100, at most 1000)."""
+        params: dict[str, Any] = {"status": status}
+        if limit is not None:
+            params["limit"] = limit
+        response = await self._request("GET", "/v0/approvals", params=params)
         return [Approval.model_validate(a) for a in response.json() or []]
 
     async def get_approval(self, approval_id: str) -> Approval:

@@ -28,6 +28,7 @@ __all__ = ["agents", "approvals", "execs", "policy"]
 
 T = TypeVar("T")
 _TERMINAL = ("completed", "failed", "cancelled")
+_MAX_APPROVALS = 1000  # the most the kernel lists at once
 _STATUS_STYLE = {
     "completed": "green",
     "failed": "red",
@@ -135,8 +136,15 @@ async def _resolve_approval(client: Client, ref: str) -> str:
     full = canonical_uuid(ref)
     if full is not None:
         return full
-    found = await client.list_approvals(status="all")
-    return _one(ref, [a.id for a in found if a.id.startswith(ref.lower())], "approval")
+    # The kernel lists the oldest first: in a long-lived kernel a new approval
+    # is not on the first page of all of them, so look among the pending ones
+    # (the ones people decide) as well.
+    matches: dict[str, None] = {}
+    for status in ("pending", "all"):
+        for a in await client.list_approvals(status=status, limit=_MAX_APPROVALS):
+            if a.id.startswith(ref.lower()):
+                matches[a.id] = None
+    return _one(ref, list(matches), "approval")
 
 
 def _one(ref: str, matches: list[str], what: str) -> str:
@@ -417,7 +425,7 @@ def _approval_rows(found: list[Approval]) -> Iterable[list[str]]:
 @_client_options
 def approvals_list(status: str, url: str, api_key: str, as_json: bool) -> None:
     """List approvals (pending ones by default)."""
-    found = _run(url, api_key, lambda c: c.list_approvals(status=status))
+    found = _run(url, api_key, lambda c: c.list_approvals(status=status, limit=_MAX_APPROVALS))
     if as_json:
         _print_json(found)
         return
@@ -459,9 +467,15 @@ def approvals_get(approval_id: str, url: str, api_key: str, as_json: bool) -> No
     )
 
 
+_BY_HELP = (
+    "Who decides. With a named principal's token leave it out: "
+    "the token names the decider, and another name is refused."
+)
+
+
 def _decide(verb: str) -> Callable[..., None]:
     @click.argument("approval_id")
-    @click.option("--by", "decided_by", default="", help="Who decides (servers with named principals record the caller instead).")
+    @click.option("--by", "decided_by", default="", help=_BY_HELP)
     @click.option("--rationale", default="", help="Why; a denial's rationale becomes the step's denial reason.")
     @_client_options
     def command(approval_id: str, decided_by: str, rationale: str, url: str, api_key: str, as_json: bool) -> None:
