@@ -301,14 +301,19 @@ def exec_watch(execution_id: str, url: str, api_key: str, as_json: bool) -> None
         resolved = await _resolve_execution(client, execution_id)
         after = 0
         while True:
-            for event in await client.events(resolved, after_seq=after, limit=1000, wait=25):
+            # The status first: once it is terminal, the events read next include
+            # the last ones (read the other way round, the final events could be
+            # committed between the two reads and never printed).
+            execution = await client.get(resolved)
+            done = execution.is_terminal
+            page = await client.events(resolved, after_seq=after, limit=1000, wait=0 if done else 25)
+            for event in page:
                 after = event.event_seq
                 if as_json:
                     click.echo(event.model_dump_json())
                 else:
                     click.echo("  ".join(_event_row(event)))
-            execution = await client.get(resolved)
-            if execution.is_terminal:
+            if done and len(page) < 1000:
                 return execution
 
     execution = _run(url, api_key, work)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -31,6 +32,13 @@ def cli() -> None:
     """
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    # FloatRange lets nan and inf through; the kernel needs a real number of seconds.
+    if not math.isfinite(value):
+        raise click.BadParameter(f"must be a finite number of seconds, got {value}")
+    return value
+
+
 def _kernel_options(fn: Any) -> Any:
     options = [
         click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
@@ -38,6 +46,7 @@ def _kernel_options(fn: Any) -> Any:
         click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on."),
         click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on (0: any free port)."),
         click.option("--lease-timeout", default=120.0, show_default=True, type=click.FloatRange(min=0.1),
+                     callback=_finite,
                      help="Seconds a dispatch lease lasts without a heartbeat before it is re-delivered."),
         click.option("--max-attempts", default=5, show_default=True, type=click.IntRange(min=1),
                      help="Webhook delivery attempts before an execution fails dispatch_exhausted."),

@@ -22,7 +22,6 @@ from urllib.parse import unquote
 import anyio
 
 from rebuno_proto import (
-    Agent,
     ApprovalChoice,
     ErrorCode,
     Lease,
@@ -152,7 +151,7 @@ def _lease(request: Request) -> Lease:
         raise _Fail(
             ErrorCode.VALIDATION_ERROR, "missing dispatch attempt (Rebuno-Dispatch-Attempt header)"
         )
-    if not attempt.isascii() or not attempt.isdigit() or int(attempt) < 1 or len(attempt) > 9:
+    if not attempt.isascii() or not attempt.isdigit() or len(attempt) > 9 or int(attempt) < 1:
         raise _Fail(ErrorCode.VALIDATION_ERROR, f"invalid dispatch attempt {attempt!r}")
     return Lease(dispatch_id=canonical, attempt=int(attempt))
 
@@ -161,9 +160,26 @@ def _int_param(params: Mapping[str, str], name: str, default: int, *, low: int, 
     text = params.get(name, "")
     if not text:
         return default
-    if not text.lstrip("-").isdigit():
+    digits = text[1:] if text.startswith("-") else text
+    # ASCII only: str.isdigit() also admits digits int() refuses ("²").
+    if not digits.isascii() or not digits.isdigit():
         raise _Fail(ErrorCode.VALIDATION_ERROR, f"{name} must be an integer, got {text!r}")
-    return min(max(int(text), low), high)
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > 18:  # past any bound (and int() refuses very long texts)
+        return low if text.startswith("-") else high
+    value = -int(digits) if text.startswith("-") else int(digits)
+    return min(max(value, low), high)
+
+
+def _events_limit(text: str) -> int:
+    """`?limit=` of the event log: absent, <= 0 or not an integer means 100;
+    at most 1000 (PROTOCOL.md §4.3)."""
+    if not text.isascii() or not text.isdigit():
+        return 100
+    digits = text.lstrip("0")
+    if not digits:
+        return 100
+    return 1000 if len(digits) > 4 else min(int(digits), 1000)
 
 
 def _reply(result: object) -> None:
@@ -331,9 +347,7 @@ class KernelAPI:
     async def events(self, request: Request, caller: _Caller, params: list[str]) -> Response:
         execution_id = _execution_id(params[0])
         query = request.query_params()
-        limit = _int_param(query, "limit", 100, low=1, high=1000)
-        if query.get("limit", "").lstrip("-").isdigit() and int(query["limit"]) <= 0:
-            limit = 100
+        limit = _events_limit(query.get("limit", ""))
         after = _int_param(query, "after_seq", 0, low=0, high=2**62)
         wait_s = _int_param(query, "wait", 0, low=0, high=30)
         if caller.agent_id is not None:
@@ -524,18 +538,11 @@ class KernelAPI:
     @_route("POST", "/v0/agents", "bearer")
     async def register_agent(self, request: Request, caller: _Caller, params: list[str]) -> Response:
         reg = parse_agent_registration(request.body)
-        existing = await self.kernel.agent(reg.id)
-        agent = Agent(
-            id=reg.id,
-            webhook_url=reg.webhook_url,
-            secret=reg.secret,
-            registered_at=self.kernel.clock() if existing is None else existing.registered_at,
-            description=None if existing is None else existing.description,
-            input_schema=None if existing is None else existing.input_schema,
-            output_schema=None if existing is None else existing.output_schema,
-            policy=None if existing is None else existing.policy,
+        # One transaction: a metadata or policy write racing a re-registration
+        # must not be lost (a lost policy would let the agent run unchecked).
+        agent = await self.kernel.register_agent(
+            reg.id, webhook_url=reg.webhook_url, secret=reg.secret
         )
-        await self.kernel.put_agent(agent)
         return _ok(encode_agent(agent), 201)
 
     @_route("GET", "/v0/agents", "bearer")

@@ -71,11 +71,15 @@ def _agent(entry: Any, index: int, path: str, base: str) -> ManifestAgent:
     where = f"manifest {path}: agents[{index}]"
     if not isinstance(entry, dict):
         raise ManifestError(f"{where} must be a mapping")
-    unknown = sorted(set(entry) - _AGENT_KEYS)
+    where = f"manifest {path}: agent {entry.get('id', index)!r}"
+    unknown = sorted(map(str, set(entry) - _AGENT_KEYS))
     if unknown:
         raise ManifestError(f"{where}: unknown keys {', '.join(unknown)}")
-    where = f"manifest {path}: agent {entry.get('id', index)!r}"
     body = {k: entry.get(k) for k in ("id", "webhook_url", "secret")}
+    for key, value in body.items():
+        # YAML has types JSON lacks (dates, sets, binary): say so, do not crash.
+        if value is not None and not isinstance(value, str | int | float | bool | list | dict):
+            raise ManifestError(f"{where}: {key}: must be a string, got {type(value).__name__}")
     try:
         reg = parse_agent_registration(dumps(body).encode("utf-8"))  # type: ignore[arg-type]
     except MessageError as err:

@@ -116,7 +116,8 @@ class Kernel:
         self.new_id = new_id
         self.jitter = jitter
         self.policy = policy
-        self._agents: dict[str, Agent | None] = {}
+        self._agents: dict[str, Agent] = {}
+        self._agent_writes = 0  # agent writes completed (tells a read its value is stale)
         self._event_waiters: dict[str, anyio.Event] = {}
         self.on_dispatch_due: Callable[[float], None] = lambda at: None
         self.on_timer_due: Callable[[float], None] = lambda at: None
@@ -168,20 +169,51 @@ class Kernel:
     # -- agents ----------------------------------------------------------------------
 
     async def agent(self, agent_id: str) -> Agent | None:
-        """The registered agent (cached; the kernel is the only writer)."""
-        if agent_id in self._agents:
-            return self._agents[agent_id]
+        """The registered agent. Cached (the kernel is the only writer); unknown
+        ids are not cached, so made-up ids in requests cannot grow the cache."""
+        cached = self._agents.get(agent_id)
+        if cached is not None:
+            return cached
+        writes = self._agent_writes
         found = await self.store.run(lambda tx: tx.agent(agent_id))
-        self._agents[agent_id] = found
+        if found is not None and writes == self._agent_writes:
+            # No agent write completed while this read ran, so `found` is current.
+            self._agents[agent_id] = found
         return found
+
+    def _agent_written(self, agent_id: str) -> None:
+        """Forget the cached agent after a committed write (the next read reloads
+        it); a read still in flight will not cache what it saw before."""
+        self._agent_writes += 1
+        self._agents.pop(agent_id, None)
 
     async def put_agent(self, agent: Agent) -> None:
         await self.store.run(lambda tx: tx.put_agent(agent))
-        self._agents[agent.id] = agent
+        self._agent_written(agent.id)
+
+    async def register_agent(self, agent_id: str, *, webhook_url: str, secret: str) -> Agent:
+        """Register an agent, or change its URL and secret, in one transaction:
+        a re-registration keeps the registration time, metadata and policy."""
+        now = self.clock()
+
+        def run(tx: Tx) -> Agent:
+            existing = tx.agent(agent_id)
+            if existing is None:
+                agent = Agent(
+                    id=agent_id, webhook_url=webhook_url, secret=secret, registered_at=now
+                )
+            else:
+                agent = dataclasses.replace(existing, webhook_url=webhook_url, secret=secret)
+            tx.put_agent(agent)
+            return agent
+
+        agent = await self.store.run(run)
+        self._agent_written(agent_id)
+        return agent
 
     async def delete_agent(self, agent_id: str) -> bool:
         found = await self.store.run(lambda tx: tx.delete_agent(agent_id))
-        self._agents.pop(agent_id, None)
+        self._agent_written(agent_id)
         return found
 
     async def update_agent(self, agent_id: str, **fields: Any) -> Agent | None:
@@ -196,7 +228,7 @@ class Kernel:
             return agent
 
         updated = await self.store.run(run)
-        self._agents[agent_id] = updated
+        self._agent_written(agent_id)
         return updated
 
     # -- client commands ---------------------------------------------------------------
