@@ -88,9 +88,15 @@ class PolicyBundleError(ValueError):
         super().__init__("; ".join(errors))
 
 
+#: The longest duration a bundle may give (a year): beyond it a timeout or a
+#: window means "never", which a policy should say by other means.
+MAX_DURATION_S: Final = 366 * 24 * 3600
+
+
 def parse_duration(text: object) -> float | None:
     """Seconds in a duration like `30s`, `5m`, `90s`, `1h30m`; `None` if it is
-    not one (other units, fractions, signs, zero, or not a string)."""
+    not one (other units, fractions, signs, zero, more than a year, or not a
+    string)."""
     if not isinstance(text, str) or not text:
         return None
     found = _DURATION.fullmatch(text)
@@ -98,7 +104,7 @@ def parse_duration(text: object) -> float | None:
         return None
     hours, minutes, seconds = (int(part or 0) for part in found.groups())
     total = hours * 3600 + minutes * 60 + seconds
-    return float(total) if total > 0 else None
+    return float(total) if 0 < total <= MAX_DURATION_S else None
 
 
 # -- validation -----------------------------------------------------------------------
@@ -176,7 +182,10 @@ class _Checker:
     def duration(self, value: object, field: str) -> float | None:
         seconds = parse_duration(value)
         if seconds is None:
-            self.fail(field, f"must be a positive duration like 30s, 5m or 1h30m, got {value!r}")
+            self.fail(
+                field,
+                f"must be a positive duration up to a year, like 30s, 5m or 1h30m, got {value!r}",
+            )
         return seconds
 
     def glob(self, value: object, field: str) -> str | None:

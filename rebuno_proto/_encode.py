@@ -30,9 +30,16 @@ __all__ = [
 _EMPTY_LIST: Final[list[JSONOut]] = []
 
 
+_LATEST: Final = "9999-12-31T23:59:59.999999Z"
+
+
 def rfc3339(t: float) -> str:
-    """Unix seconds as an RFC 3339 UTC timestamp with microseconds."""
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """Unix seconds as an RFC 3339 UTC timestamp with microseconds (times past
+    year 9999, such as a practically endless timeout, read as its last instant)."""
+    try:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    except (OverflowError, ValueError, OSError):
+        return _LATEST if t > 0 else "0001-01-01T00:00:00.000000Z"
 
 
 def _raw(text: str | None) -> RawJSON | None:

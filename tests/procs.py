@@ -43,8 +43,12 @@ class Proc:
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
-        for stream in (self.popen.stderr, self.popen.stdout):
-            threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+        self._pumps = [
+            threading.Thread(target=self._pump, args=(stream,), daemon=True)
+            for stream in (self.popen.stderr, self.popen.stdout)
+        ]
+        for pump in self._pumps:
+            pump.start()
 
     def _pump(self, stream: Any) -> None:
         for line in stream:
@@ -70,20 +74,31 @@ class Proc:
             if match:
                 return match
 
+    def _close_pipes(self) -> None:
+        # The readers end at EOF once the process group is gone; only then may
+        # the pipes close (an unclosed pipe is a ResourceWarning, an error here).
+        for pump in self._pumps:
+            pump.join(timeout=10)
+        for stream in (self.popen.stdout, self.popen.stderr):
+            if stream is not None and not any(p.is_alive() for p in self._pumps):
+                stream.close()
+
     def kill(self) -> None:
         """SIGKILL: the process gets no chance to clean up."""
         if self.popen.poll() is None:
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait(timeout=30)
+        self._close_pipes()
 
     def stop(self) -> int:
         """SIGTERM, then wait for a clean exit."""
         if self.popen.poll() is None:
             os.killpg(self.popen.pid, signal.SIGTERM)
             try:
-                return self.popen.wait(timeout=30)
+                self.popen.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._close_pipes()
         return self.popen.returncode
 
     def __enter__(self) -> Proc:

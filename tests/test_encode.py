@@ -481,3 +481,8 @@ def test_raw_json_value_semantics() -> None:
 )
 def test_dumps_is_json(value: Any) -> None:
     assert json.loads(dumps(value)) == value
+
+
+def test_rfc3339_clamps_times_beyond_the_calendar() -> None:
+    assert rfc3339(1e300) == "9999-12-31T23:59:59.999999Z"
+    assert rfc3339(-1e300) == "0001-01-01T00:00:00.000000Z"

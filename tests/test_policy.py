@@ -499,7 +499,7 @@ def approval(body: str, decision: str = "require_approval") -> str:
 
 A = "rule 'a' (rules[0]): "
 OK_LIMIT = "max_calls: 1, window: 1m, per_what: agent"
-DURATION = "must be a positive duration like 30s, 5m or 1h30m"
+DURATION = "must be a positive duration up to a year, like 30s, 5m or 1h30m"
 
 BAD_BUNDLES: list[tuple[str, str, str]] = [
     ("not yaml", "key: [unclosed", "bundle: not valid YAML"),
@@ -1169,3 +1169,9 @@ def test_doc_format_reference_loads() -> None:
         max_calls=5, window_s=60.0, per_what=RateScope.EXECUTION, on_limiter_error=Action.DENY
     )
     assert rule_.then.approval_timeout_s == 1800.0
+
+
+def test_durations_beyond_a_year_are_refused() -> None:
+    assert parse_duration("8784h") == 366 * 24 * 3600
+    assert parse_duration("8785h") is None
+    assert parse_duration("99999999999999999999h") is None
