@@ -28,6 +28,7 @@ from rebuno_proto import (
     DispatchReceived,
     ExecutionFetched,
     ExecutionReported,
+    ExecutionStatus,
     FailExecution,
     HandlerFinished,
     HandlerOutcome,
@@ -69,6 +70,13 @@ __all__ = ["Agent"]
 
 log = logging.getLogger("rebuno.agent")
 _WEBHOOK_LIMITS = ServerLimits(max_body_bytes=64 * 1024, max_header_bytes=32 * 1024)
+
+
+def _is_terminal(status: str) -> bool:
+    try:
+        return ExecutionStatus(status).is_terminal
+    except ValueError:
+        return False
 
 
 class _Running:
@@ -267,8 +275,9 @@ class Agent:
             previous.scope.cancel()
         running = _Running(payload.execution_id, Lease(dispatch_id=payload.dispatch_id, attempt=payload.dispatch_attempt))
         self._running[payload.execution_id] = running
+        if not self._active:  # a new event only when idle: join() may wait on this one
+            self._idle = anyio.Event()
         self._active += 1
-        self._idle = anyio.Event()
         self._tg.start_soon(self._dispatch, payload, running)
         return Response(200)
 
@@ -317,10 +326,20 @@ class Agent:
         except (NetworkError, LeaseSuperseded, Terminated) as err:
             log.warning("cannot fetch execution %s: %s", payload.execution_id, err)
             return
-        if not machine.handle(ExecutionFetched(status=str(execution.get("status"))), now=now()):
+        assert self._signature is not None
+        status = str(execution.get("status"))
+        rejected: InputRejected | None = None
+        try:
+            kwargs = self._signature.bind(execution.get("input"))
+        except InputError as err:
+            kwargs, rejected = {}, InputRejected(detail=str(err))
+        # The machine takes InputRejected in place of ExecutionFetched; a terminal
+        # execution is skipped whatever its input.
+        fetched = rejected is None or _is_terminal(status)
+        if fetched and not machine.handle(ExecutionFetched(status=status), now=now()):
             return  # already terminal
         lease = machine.lease
-        assert lease is not None and self._signature is not None and self._process is not None
+        assert lease is not None
         handler_scope = anyio.CancelScope()
 
         def lease_lost() -> None:
@@ -335,10 +354,8 @@ class Agent:
             input=execution.get("input"),
             on_lease_lost=lease_lost,
         )
-        try:
-            kwargs = self._signature.bind(execution.get("input"))
-        except InputError as err:
-            for action in machine.handle(InputRejected(detail=str(err)), now=now()):
+        if rejected is not None:
+            for action in machine.handle(rejected, now=now()):
                 await self._report(ctx, machine, action)
             return
         async with anyio.create_task_group() as tg:
