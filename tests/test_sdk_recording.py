@@ -270,6 +270,32 @@ async def test_failing_body_raises_tool_error_and_records_the_step_failed() -> N
     ]
 
 
+@tool
+async def unrecordable() -> object:
+    ran("unrecordable")
+    return {1, 2}  # a set is not JSON
+
+
+async def test_a_result_that_cannot_be_recorded_fails_the_step() -> None:
+    caught: list[ToolError] = []
+
+    async def process(input: Any) -> str:
+        try:
+            await unrecordable()
+        except ToolError as err:
+            caught.append(err)
+        return "went on"
+
+    final, recorded, _ = await run(process)
+    assert (final.status, final.output) == ("completed", "went on")
+    assert len(caught) == 1
+    assert "must be JSON-serializable" in caught[0].message
+    (only,) = [s for s in recorded if s.target == "unrecordable"]
+    assert only.status == "failed"  # not left executing
+    assert "must be JSON-serializable" in only.error["message"]
+    assert bodies["unrecordable"] == 1
+
+
 # -- replay after a crash ------------------------------------------------------------------------
 
 

@@ -56,6 +56,7 @@ from ..errors import (
     PolicyError,
     RateLimited,
     Terminated,
+    UnauthorizedError,
     classify,
     raise_for_refusal,
 )
@@ -297,7 +298,12 @@ class Agent:
         except NetworkError:
             self._metadata = "unpublished"  # retried on the next dispatch
             log.warning("publishing agent metadata failed: kernel unreachable; will retry")
-        except Exception:  # noqa: BLE001 - metadata is a courtesy, never fatal
+        except UnauthorizedError:
+            # Typically the agent started before it was registered: a dispatch
+            # proves it is registered now, so the next one tries again.
+            self._metadata = "unpublished"
+            log.warning("publishing agent metadata refused (not registered yet?); will retry")
+        except Exception:  # metadata is a courtesy, never fatal
             self._metadata = "published"
             log.exception("publishing agent metadata failed")
 

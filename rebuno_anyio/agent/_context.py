@@ -34,7 +34,7 @@ from ..errors import (
     Terminated,
     ToolError,
 )
-from ._kernel_client import KernelClient
+from ._kernel_client import KernelClient, encode_json
 
 __all__ = ["ExecutionContext", "Result", "current", "execution", "offload", "previous"]
 
@@ -179,15 +179,18 @@ class ExecutionContext:
             self._refuse(meaning, decision)
         try:
             result = await run()
+            encoded = encode_json(result, f"the result of {target!r}")
         except (Blocked, Terminated, PolicyError, RateLimited, LeaseSuperseded):
             raise
         except Exception as err:
+            # A result that cannot be recorded fails the step too: the next
+            # attempt replays the same ToolError instead of finding it stuck.
             await self.fail_step_quietly(step_id, err)
             if isinstance(err, ToolError):
                 raise
             raise ToolError(str(err), tool_id=target, step_id=step_id) from err
         await self._kernel_call(
-            self._kernel.complete_step(self.id, step_id, self.lease, result=result)
+            self._kernel.complete_step_json(self.id, step_id, self.lease, result=encoded)
         )
         return result
 

@@ -169,7 +169,15 @@ class KernelClient:
     async def complete_step(
         self, execution_id: str, step_id: str, lease: Lease, *, result: Any
     ) -> None:
-        body = b'{"result": ' + encode_json(result, "step result") + b"}"
+        await self.complete_step_json(
+            execution_id, step_id, lease, result=encode_json(result, "step result")
+        )
+
+    async def complete_step_json(
+        self, execution_id: str, step_id: str, lease: Lease, *, result: bytes
+    ) -> None:
+        """Record a step's result, given as JSON bytes already."""
+        body = b'{"result": ' + result + b"}"
         await self._call(
             "POST", f"/v0/executions/{execution_id}/steps/{step_id}/complete", body, lease
         )
