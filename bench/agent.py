@@ -27,10 +27,10 @@ from typing import Any
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel import AGENT, SECRET, Driver, steps_per_second  # noqa: E402
+from kernel import AGENT, SECRET, Driver, steps_per_second
 
-from rebuno_anyio import Client  # noqa: E402
-from rebuno_anyio._server import HttpServer  # noqa: E402
+from rebuno_anyio import Client
+from rebuno_anyio._server import HttpServer
 
 AGENT_CODE = """
 import sys
@@ -85,26 +85,50 @@ async def end_to_end(kernel_url: str, executions: int, steps: int) -> float:
 async def run(options: argparse.Namespace, tmp: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     kernel, url = spawn(
-        [sys.executable, "-m", "rebuno_anyio.cli", "dev", "--db", os.path.join(tmp, "k.db"),
-         "--port", "0", "--log-level", "warning"]
+        [
+            sys.executable,
+            "-m",
+            "rebuno_anyio.cli",
+            "dev",
+            "--db",
+            os.path.join(tmp, "k.db"),
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+        ]
     )
     try:
         driver = Driver(url)
         async with anyio.create_task_group() as tg:
             port = await tg.start(HttpServer(driver.webhook).serve, "127.0.0.1", 0)
-            await driver.admin("POST", "/v0/agents", {"id": AGENT, "webhook_url": f"http://127.0.0.1:{port}/webhook", "secret": SECRET.decode()})
+            await driver.admin(
+                "POST",
+                "/v0/agents",
+                {
+                    "id": AGENT,
+                    "webhook_url": f"http://127.0.0.1:{port}/webhook",
+                    "secret": SECRET.decode(),
+                },
+            )
             for n in (1, 16):
-                results[f"kernel_only_steps_per_s_{n}"] = await steps_per_second(driver, n, options.seconds)
+                results[f"kernel_only_steps_per_s_{n}"] = await steps_per_second(
+                    driver, n, options.seconds
+                )
             tg.cancel_scope.cancel()
         await driver.http.aclose()
         for backend in options.backends:
             agent, agent_url = spawn([sys.executable, "-c", AGENT_CODE, url, backend])
             try:
                 async with Client(url) as client:
-                    await client.register_agent("bench-e2e", webhook_url=f"{agent_url}/webhook", secret="bench-secret")
+                    await client.register_agent(
+                        "bench-e2e", webhook_url=f"{agent_url}/webhook", secret="bench-secret"
+                    )
                 await end_to_end(url, 1, 50)  # warm up
                 results[f"{backend}_steps_per_s_1"] = await end_to_end(url, 1, options.steps)
-                results[f"{backend}_steps_per_s_16"] = await end_to_end(url, 16, max(options.steps // 8, 50))
+                results[f"{backend}_steps_per_s_16"] = await end_to_end(
+                    url, 16, max(options.steps // 8, 50)
+                )
             finally:
                 agent.kill()
     finally:
@@ -115,7 +139,9 @@ async def run(options: argparse.Namespace, tmp: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description="end-to-end steps/s, agent SDK + kernel")
     parser.add_argument("--steps", type=int, default=2000, help="steps of the single execution")
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of the kernel-only floor")
+    parser.add_argument(
+        "--seconds", type=float, default=3.0, help="duration of the kernel-only floor"
+    )
     parser.add_argument("--backends", default="asyncio,trio")
     parser.add_argument("--json", action="store_true")
     options = parser.parse_args()
@@ -130,7 +156,10 @@ def main() -> None:
         print(f"{n:>2} execution(s): kernel-only floor {floor:,.0f} steps/s")
         for backend in options.backends:
             sps = results[f"{backend}_steps_per_s_{n}"]
-            print(f"    end to end, {backend:<7} {sps:,.0f} steps/s  (x{sps / floor:.2f} of the floor)")
+            print(
+                f"    end to end, {backend:<7} {sps:,.0f} steps/s"
+                f"  (x{sps / floor:.2f} of the floor)"
+            )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ import anyio, sys
 from rebuno_anyio.kernel import KernelConfig, serve_kernel
 from rebuno_proto import DispatchSettings
 cfg = KernelConfig(db=sys.argv[1], port=int(sys.argv[4]), synchronous=sys.argv[3],
-                   settings=DispatchSettings(lease_timeout_s=float(sys.argv[2])), poll_interval_s=0.2)
+                   settings=DispatchSettings(lease_timeout_s=float(sys.argv[2])),
+                   poll_interval_s=0.2)
 async def main():
     async with anyio.create_task_group() as tg:
         running = await tg.start(serve_kernel, cfg)
@@ -325,20 +326,24 @@ def main() -> None:
         results["http_rtt_per_s_16"],
     )
     print(
-        f"floors: SQLite commits/s ({options.synchronous}) {sqlite:,.0f}; HTTP round trips/s {rtt1:,.0f} (1 conn), {rtt16:,.0f} (16)"
+        f"floors: SQLite commits/s ({options.synchronous}) {sqlite:,.0f}; "
+        f"HTTP round trips/s {rtt1:,.0f} (1 conn), {rtt16:,.0f} (16)"
     )
     for n in (1, 16):
         sps = results[f"steps_per_s_{n}"]
         rtt = results[f"http_rtt_per_s_{n}"]
         print(
-            f"steps/s, {n:>2} executions: {sps:,.0f}  (x{sps / sqlite:.2f} of SQLite commits/s, x{2 * sps / rtt:.2f} of HTTP round trips)"
+            f"steps/s, {n:>2} executions: {sps:,.0f}  (x{sps / sqlite:.2f} of SQLite commits/s, "
+            f"x{2 * sps / rtt:.2f} of HTTP round trips)"
         )
     base = None
     for n in options.replay:
         replay = results[f"replay_ms_per_step_{n}"]
         base = base or replay
         print(
-            f"replay, {n:>6} steps: {replay:.3f} ms/step (recording {results[f'record_ms_per_step_{n}']:.3f} ms/step), x{replay / base:.2f} of the first"
+            f"replay, {n:>6} steps: {replay:.3f} ms/step "
+            f"(recording {results[f'record_ms_per_step_{n}']:.3f} ms/step), "
+            f"x{replay / base:.2f} of the first"
         )
 
 

@@ -95,15 +95,29 @@ def main() -> None:
         db = options.db or os.path.join(tmp, "rebuno.db")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         kernel, kernel_url = start(
-            [sys.executable, "-m", "rebuno_anyio.cli", "dev", "--db", db, "--port", "0",
-             "--log-level", "warning"],
+            [
+                sys.executable,
+                "-m",
+                "rebuno_anyio.cli",
+                "dev",
+                "--db",
+                db,
+                "--port",
+                "0",
+                "--log-level",
+                "warning",
+            ],
             env,
             "the kernel",
         )
         agent = None
         try:
-            agent_env = {**env, "REBUNO_URL": kernel_url, "REBUNO_AGENT_SECRET": "dev-secret",
-                         "REBUNO_BACKEND": options.backend}
+            agent_env = {
+                **env,
+                "REBUNO_URL": kernel_url,
+                "REBUNO_AGENT_SECRET": "dev-secret",
+                "REBUNO_BACKEND": options.backend,
+            }
             agent, agent_url = start(
                 [sys.executable, str(HERE / "hello.py"), "0"], agent_env, "the hello agent"
             )

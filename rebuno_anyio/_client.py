@@ -141,8 +141,11 @@ class Client:
         """Cancel; raises `Terminated` if the execution already ended."""
         await self._request("POST", f"/v0/executions/{execution_id}/cancel")
 
-    async def wait(  # noqa: ASYNC109 - a convenience bound, like Client.wait elsewhere
-        self, execution_id: str, *, timeout: float | None = None
+    async def wait(
+        self,
+        execution_id: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - a bound for scripts; fail_after works too
     ) -> Execution:
         """Wait until the execution is completed, failed or cancelled.
 
@@ -164,9 +167,7 @@ class Client:
 
     async def list_steps(self, execution_id: str, *, status: str = "") -> _List[Step]:
         params = {"status": status} if status else {}
-        response = await self._request(
-            "GET", f"/v0/executions/{execution_id}/steps", params=params
-        )
+        response = await self._request("GET", f"/v0/executions/{execution_id}/steps", params=params)
         return [Step.model_validate(s) for s in response.json() or []]
 
     async def get_step(self, execution_id: str, step_id: str) -> Step:

@@ -257,6 +257,10 @@ def failure_reason(exc: BaseException) -> str:
     (PROTOCOL.md §5.3): `policy_denied: ...`, a rate-limit reason,
     `tool_error: <tool>: <message>` or `agent_error: <Class>: <message>`."""
     outcome, detail, error_class = classify(exc)
-    if outcome in (HandlerOutcome.BLOCKED, HandlerOutcome.TERMINATED, HandlerOutcome.LEASE_SUPERSEDED):
+    if outcome in (
+        HandlerOutcome.BLOCKED,
+        HandlerOutcome.TERMINATED,
+        HandlerOutcome.LEASE_SUPERSEDED,
+    ):
         outcome, detail, error_class = HandlerOutcome.OTHER_ERROR, str(exc), type(exc).__name__
     return _core_failure_reason(outcome, detail=detail, error_class=error_class)

@@ -13,12 +13,16 @@ import sys
 
 import rebuno_anyio
 
-PROBE = "import importlib, sys; importlib.import_module({name!r}); sys.exit('rebuno_asgi' in sys.modules)"
+PROBE = (
+    "import importlib, sys; importlib.import_module({name!r}); "
+    "sys.exit('rebuno_asgi' in sys.modules)"
+)
 
 
 def main() -> int:
     names = ["rebuno_anyio"] + [
-        m.name for m in pkgutil.walk_packages(rebuno_anyio.__path__, "rebuno_anyio.")
+        m.name
+        for m in pkgutil.walk_packages(rebuno_anyio.__path__, "rebuno_anyio.")
         if not m.name.endswith("__main__")
     ]
     bad = [

@@ -18,10 +18,18 @@ class InProcessKernel:
     url: str
     running: RunningKernel
 
-    async def register(self, agent_id: str, webhook_url: str, secret: str, *, policy: str | None = None) -> None:
+    async def register(
+        self, agent_id: str, webhook_url: str, secret: str, *, policy: str | None = None
+    ) -> None:
         kernel = self.running.kernel
         await kernel.put_agent(
-            Agent(id=agent_id, webhook_url=webhook_url, secret=secret, registered_at=kernel.clock(), policy=policy)
+            Agent(
+                id=agent_id,
+                webhook_url=webhook_url,
+                secret=secret,
+                registered_at=kernel.clock(),
+                policy=policy,
+            )
         )
 
 
@@ -35,7 +43,12 @@ async def inprocess_kernel(
     **config: object,
 ) -> AsyncIterator[InProcessKernel]:
     """Run a kernel until the block exits (then shut it down)."""
-    settings = DispatchSettings(lease_timeout_s=lease_timeout_s, max_attempts=max_attempts, backoff_base_s=0.05, backoff_max_s=0.5)
+    settings = DispatchSettings(
+        lease_timeout_s=lease_timeout_s,
+        max_attempts=max_attempts,
+        backoff_base_s=0.05,
+        backoff_max_s=0.5,
+    )
     cfg = KernelConfig(db=db, port=0, settings=settings, poll_interval_s=poll_interval_s, **config)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         running = await tg.start(serve_kernel, cfg)

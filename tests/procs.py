@@ -28,7 +28,9 @@ STARTUP_S = 30.0
 class Proc:
     """A child process whose stderr is read line by line in a thread."""
 
-    def __init__(self, args: Sequence[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+    def __init__(
+        self, args: Sequence[str], *, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.args = list(args)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.popen = subprocess.Popen(
@@ -63,11 +65,17 @@ class Proc:
             try:
                 line = self._queue.get(timeout=timeout)
             except queue.Empty:
-                raise AssertionError(f"{self.args[:4]}: no line matching {pattern!r} within {timeout}s:\n" + "\n".join(self.lines[-40:])) from None
+                raise AssertionError(
+                    f"{self.args[:4]}: no line matching {pattern!r} within {timeout}s:\n"
+                    + "\n".join(self.lines[-40:])
+                ) from None
             if line is None:
                 closed += 1
                 if closed == 2:
-                    raise AssertionError(f"{self.args[:4]} exited ({self.popen.wait()}) before {pattern!r}:\n" + "\n".join(self.lines[-40:]))
+                    raise AssertionError(
+                        f"{self.args[:4]} exited ({self.popen.wait()}) before {pattern!r}:\n"
+                        + "\n".join(self.lines[-40:])
+                    )
                 continue
             self.lines.append(line)
             match = regex.search(line)
@@ -111,20 +119,39 @@ class Proc:
 class Kernel(Proc):
     """`rebuno dev` on a free loopback port."""
 
-    def __init__(self, db: Path | str, *, lease_timeout: float = 120, extra: Sequence[str] = (), server_token: str | None = None) -> None:
+    def __init__(
+        self,
+        db: Path | str,
+        *,
+        lease_timeout: float = 120,
+        extra: Sequence[str] = (),
+        server_token: str | None = None,
+    ) -> None:
         args = [PYTHON, "-m", "rebuno_anyio.cli"]
         if server_token is None:
             args += ["dev"]
         else:
             args += ["server", "--bearer-token", server_token]
-        args += ["--db", str(db), "--port", "0", "--lease-timeout", str(lease_timeout), "--log-level", "warning", *extra]
+        args += [
+            "--db",
+            str(db),
+            "--port",
+            "0",
+            "--lease-timeout",
+            str(lease_timeout),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         super().__init__(args)
         match = self.wait_for(r"listening on (http://127\.0\.0\.1:(\d+))")
         self.url = match.group(1)
         self.port = int(match.group(2))
         self.token = server_token
 
-    def call(self, method: str, path: str, body: Any = None, *, token: str | None = None) -> tuple[int, Any]:
+    def call(
+        self, method: str, path: str, body: Any = None, *, token: str | None = None
+    ) -> tuple[int, Any]:
         """A plain HTTP call (bearer auth if a token is set); returns (status, JSON or None)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method=method)
@@ -141,7 +168,9 @@ class Kernel(Proc):
             return err.code, json.loads(raw) if raw else None
 
     def register(self, agent_id: str, webhook_url: str, secret: str) -> None:
-        status, body = self.call("POST", "/v0/agents", {"id": agent_id, "webhook_url": webhook_url, "secret": secret})
+        status, body = self.call(
+            "POST", "/v0/agents", {"id": agent_id, "webhook_url": webhook_url, "secret": secret}
+        )
         assert status == 201, body
 
     def wait_terminal(self, execution_id: str, timeout: float = 60) -> dict[str, Any]:
@@ -156,8 +185,14 @@ class Kernel(Proc):
             if execution["status"] in ("completed", "failed", "cancelled"):
                 return execution
             remaining = deadline - time.monotonic()
-            assert remaining > 0, f"execution {execution_id} still {execution['status']} after {timeout}s"
-            _, events = self.call("GET", f"/v0/executions/{execution_id}/events?after_seq={after}&wait={max(1, min(int(remaining), 10))}")
+            assert remaining > 0, (
+                f"execution {execution_id} still {execution['status']} after {timeout}s"
+            )
+            _, events = self.call(
+                "GET",
+                f"/v0/executions/{execution_id}/events"
+                f"?after_seq={after}&wait={max(1, min(int(remaining), 10))}",
+            )
             if events:
                 after = events[-1]["event_seq"]
 

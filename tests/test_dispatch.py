@@ -861,7 +861,8 @@ def test_restart_requeues_an_in_flight_dispatch_at_once() -> None:
             execution=written, session=NO_SESSION, new_id=no_ids, now=T0 + 1, settings=SETTINGS
         )
     )
-    assert delivery is not None and delivery.attempt == 4
+    assert delivery is not None
+    assert delivery.attempt == 4
 
 
 def test_restart_moves_a_block_retired_dispatch_to_a_new_attempt() -> None:

@@ -167,7 +167,9 @@ class Agent:
             from rebuno_asgi import asgi_app  # the ASGI layer sits above this package
 
             self._app = asgi_app(
-                self.handle_request, max_body_bytes=_WEBHOOK_LIMITS.max_body_bytes, lifespan=self.running
+                self.handle_request,
+                max_body_bytes=_WEBHOOK_LIMITS.max_body_bytes,
+                lifespan=self.running,
             )
         return self._app
 
@@ -222,7 +224,9 @@ class Agent:
 
         async def main() -> None:
             async with anyio.create_task_group() as tg:
-                bound = await tg.start(lambda task_status: self.serve(host=host, port=port, task_status=task_status))
+                bound = await tg.start(
+                    lambda task_status: self.serve(host=host, port=port, task_status=task_status)
+                )
                 print(
                     f"agent {self.agent_id} listening on http://{host}:{bound}{self.webhook_path}",
                     file=sys.stderr,
@@ -272,9 +276,16 @@ class Agent:
             return Response(200)
         previous = self._running.get(payload.execution_id)
         if previous is not None:
-            log.info("dispatch of %s superseded by attempt %d", payload.execution_id, payload.dispatch_attempt)
+            log.info(
+                "dispatch of %s superseded by attempt %d",
+                payload.execution_id,
+                payload.dispatch_attempt,
+            )
             previous.scope.cancel()
-        running = _Running(payload.execution_id, Lease(dispatch_id=payload.dispatch_id, attempt=payload.dispatch_attempt))
+        running = _Running(
+            payload.execution_id,
+            Lease(dispatch_id=payload.dispatch_id, attempt=payload.dispatch_attempt),
+        )
         self._running[payload.execution_id] = running
         if not self._active:  # a new event only when idle: join() may wait on this one
             self._idle = anyio.Event()
@@ -313,7 +324,7 @@ class Agent:
         try:
             with running.scope:
                 await self._run_dispatch(payload)
-        except Exception:  # noqa: BLE001 - a dispatch must never take the agent down
+        except Exception:
             log.exception("dispatch of execution %s failed", payload.execution_id)
         finally:
             self._webhooks.finished(payload.execution_id, running.lease)
@@ -380,7 +391,7 @@ class Agent:
         try:
             with scope:
                 output = await offload(self._process, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - every outcome maps onto the execution
+        except Exception as exc:
             return self._conclude_error(ctx, exc)
         finally:
             deactivate(token)
@@ -398,7 +409,9 @@ class Agent:
             return conclude(HandlerOutcome.OTHER_ERROR, detail=str(err), error_class="TypeError")
         return CompleteExecution(output=output_json, state=state_json)
 
-    def _conclude_error(self, ctx: ExecutionContext, exc: Exception) -> CompleteExecution | FailExecution | None:
+    def _conclude_error(
+        self, ctx: ExecutionContext, exc: Exception
+    ) -> CompleteExecution | FailExecution | None:
         if ctx.suspension is not None or ctx.is_superseded:
             return None
         try:
@@ -412,9 +425,7 @@ class Agent:
             log.error("handler of execution %s raised", ctx.id, exc_info=exc)
         return conclude(outcome, detail=detail, error_class=error_class)
 
-    async def _report(
-        self, ctx: ExecutionContext, machine: Dispatch, action: object
-    ) -> None:
+    async def _report(self, ctx: ExecutionContext, machine: Dispatch, action: object) -> None:
         now = anyio.current_time
         try:
             if isinstance(action, CompleteExecution):
@@ -431,7 +442,7 @@ class Agent:
             return
         except Terminated:
             log.info("execution %s ended before this dispatch reported", ctx.id)
-        except Exception:  # noqa: BLE001 - the kernel re-delivers after the lease lapses
+        except Exception:
             log.exception("reporting the end of execution %s failed", ctx.id)
         machine.handle(ExecutionReported(), now=now())
 
@@ -450,7 +461,7 @@ class Agent:
                 except LeaseSuperseded:
                     ctx.lease_lost()
                     return
-                except Exception as err:  # noqa: BLE001 - keep beating; the lease may still hold
+                except Exception as err:
                     log.warning("heartbeat for %s failed: %s", ctx.id, err)
                     machine.handle(HeartbeatFailed(), now=anyio.current_time())
                 else:

@@ -41,7 +41,7 @@ class Signature:
         self._sig = inspect.signature(fn)
         try:
             hints = typing.get_type_hints(fn)
-        except Exception:  # noqa: BLE001 - unresolvable annotations: treat as unannotated
+        except Exception:
             hints = {}
         self._hints = hints
         params = [p for p in self._sig.parameters.values() if p.kind in _FIELD_KINDS]
@@ -53,9 +53,10 @@ class Signature:
             annotation = hints.get(only.name, only.annotation)
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 self.shape, self.model = "model", annotation
-            elif annotation in (inspect.Parameter.empty, Any, dict) or typing.get_origin(
-                annotation
-            ) is dict:
+            elif (
+                annotation in (inspect.Parameter.empty, Any, dict)
+                or typing.get_origin(annotation) is dict
+            ):
                 self.shape = "raw"
         self.required = [p.name for p in params if p.default is inspect.Parameter.empty]
 
@@ -96,5 +97,5 @@ class Signature:
             }
             name = getattr(self.fn, "__name__", "input")
             return create_model(name, **fields).model_json_schema()
-        except Exception:  # noqa: BLE001 - a schema is a courtesy; never fail the agent
+        except Exception:
             return None

@@ -209,7 +209,9 @@ class ExecutionContext:
         return step_id, decision
 
     async def record_llm(self, step_id: str, result: Any) -> None:
-        await self._kernel_call(self._kernel.complete_step(self.id, step_id, self.lease, result=result))
+        await self._kernel_call(
+            self._kernel.complete_step(self.id, step_id, self.lease, result=result)
+        )
 
     async def publish_delta(self, step_id: str, seq: int, data: str) -> None:
         """Best effort: a live delta that fails is dropped."""

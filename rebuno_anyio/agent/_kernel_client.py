@@ -97,9 +97,7 @@ class KernelClient:
                 parsed = json.loads(response.body) if response.body else None
             except ValueError:
                 parsed = None
-            raise error_from_body(
-                response.status, parsed, response.body.decode("utf-8", "replace")
-            )
+            raise error_from_body(response.status, parsed, response.body.decode("utf-8", "replace"))
         return response.body
 
     # -- reads ---------------------------------------------------------------------

@@ -26,7 +26,9 @@ _IDEMPOTENCY = ("safe_to_retry", "at_most_once")
 
 def _check_idempotency(idempotency: str) -> None:
     if idempotency not in _IDEMPOTENCY:
-        raise ValueError(f"idempotency must be 'safe_to_retry' or 'at_most_once', got {idempotency!r}")
+        raise ValueError(
+            f"idempotency must be 'safe_to_retry' or 'at_most_once', got {idempotency!r}"
+        )
 
 
 def _refusal(tool_id: str, err: PolicyError) -> str:
@@ -71,7 +73,9 @@ def _wrap(fn: Callable[..., Any], tool_id: str, idempotency: str) -> Callable[..
 @overload
 def tool(name: F, /) -> F: ...
 @overload
-def tool(name: str | None = None, /, *, idempotency: Idempotency = "safe_to_retry") -> Callable[[F], F]: ...
+def tool(
+    name: str | None = None, /, *, idempotency: Idempotency = "safe_to_retry"
+) -> Callable[[F], F]: ...
 
 
 def tool(name: Any = None, /, *, idempotency: Idempotency = "safe_to_retry") -> Any:

@@ -178,9 +178,7 @@ def _show_execution(execution: Execution) -> None:
 
 def _event_row(event: Event) -> list[str]:
     payload = event.payload if isinstance(event.payload, dict) else {}
-    detail = {
-        k: v for k, v in payload.items() if k not in ("execution_id", "step_type", "status")
-    }
+    detail = {k: v for k, v in payload.items() if k not in ("execution_id", "step_type", "status")}
     return [str(event.event_seq), event.occurred_at, event.type, _compact(detail, 90)]
 
 
@@ -195,8 +193,12 @@ def execs() -> None:
 @execs.command("create")
 @click.argument("agent")
 @click.argument("input_json", metavar="[JSON]", required=False)
-@click.option("--session", default="", help="Continue the agent's last completed execution in this session.")
-@click.option("--idempotency-key", default="", help="A repeat with the same key returns the first execution.")
+@click.option(
+    "--session", default="", help="Continue the agent's last completed execution in this session."
+)
+@click.option(
+    "--idempotency-key", default="", help="A repeat with the same key returns the first execution."
+)
 @click.option("--wait", "wait", is_flag=True, help="Wait until it ends and show the result.")
 @_client_options
 def exec_create(
@@ -247,7 +249,9 @@ def exec_get(execution_id: str, url: str, api_key: str, as_json: bool) -> None:
 
 @execs.command("list")
 @click.option("--agent", default="", help="Only this agent's executions.")
-@click.option("--status", default="", type=click.Choice(["", *("pending", "running", "blocked"), *_TERMINAL]))
+@click.option(
+    "--status", default="", type=click.Choice(["", *("pending", "running", "blocked"), *_TERMINAL])
+)
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 200))
 @_client_options
 def exec_list(agent: str, status: str, limit: int, url: str, api_key: str, as_json: bool) -> None:
@@ -268,7 +272,9 @@ def exec_list(agent: str, status: str, limit: int, url: str, api_key: str, as_js
 
 @execs.command("events")
 @click.argument("execution_id")
-@click.option("--after", default=0, show_default=True, help="Only events after this sequence number.")
+@click.option(
+    "--after", default=0, show_default=True, help="Only events after this sequence number."
+)
 @_client_options
 def exec_events(execution_id: str, after: int, url: str, api_key: str, as_json: bool) -> None:
     """Show an execution's event log."""
@@ -306,7 +312,9 @@ def exec_watch(execution_id: str, url: str, api_key: str, as_json: bool) -> None
             # committed between the two reads and never printed).
             execution = await client.get(resolved)
             done = execution.is_terminal
-            page = await client.events(resolved, after_seq=after, limit=1000, wait=0 if done else 25)
+            page = await client.events(
+                resolved, after_seq=after, limit=1000, wait=0 if done else 25
+            )
             for event in page:
                 after = event.event_seq
                 if as_json:
@@ -318,7 +326,13 @@ def exec_watch(execution_id: str, url: str, api_key: str, as_json: bool) -> None
 
     execution = _run(url, api_key, work)
     if not as_json:
-        click.echo(f"{execution.status}: {_compact(execution.output if execution.status == 'completed' else execution.failure_reason, 400)}")
+        click.echo(
+            f"{execution.status}: "
+            + _compact(
+                execution.output if execution.status == "completed" else execution.failure_reason,
+                400,
+            )
+        )
     if execution.status != "completed":
         sys.exit(1)
 
@@ -358,7 +372,13 @@ def agents_list(url: str, api_key: str, as_json: bool) -> None:
         "agents",
         ["id", "webhook", "registered", "policy", "description"],
         (
-            [a.id, a.webhook_url, a.registered_at, "yes" if a.has_policy else "-", a.description or ""]
+            [
+                a.id,
+                a.webhook_url,
+                a.registered_at,
+                "yes" if a.has_policy else "-",
+                a.description or "",
+            ]
             for a in found
         ),
     )
@@ -368,8 +388,17 @@ def agents_list(url: str, api_key: str, as_json: bool) -> None:
 @click.argument("agent_id")
 @click.option("--url", "webhook_url", required=True, help="The agent's webhook URL.")
 @click.option("--secret", required=True, help="The shared secret the agent signs with.")
-@click.option("--kernel", "url", envvar="REBUNO_URL", default="http://127.0.0.1:8080", show_default=True, help="Kernel URL. Env: REBUNO_URL.")
-@click.option("--api-key", envvar="REBUNO_API_KEY", default="", help="Bearer token. Env: REBUNO_API_KEY.")
+@click.option(
+    "--kernel",
+    "url",
+    envvar="REBUNO_URL",
+    default="http://127.0.0.1:8080",
+    show_default=True,
+    help="Kernel URL. Env: REBUNO_URL.",
+)
+@click.option(
+    "--api-key", envvar="REBUNO_API_KEY", default="", help="Bearer token. Env: REBUNO_API_KEY."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def agents_register(
     agent_id: str, webhook_url: str, secret: str, url: str, api_key: str, as_json: bool
@@ -422,11 +451,24 @@ def approvals() -> None:
 
 def _approval_rows(found: list[Approval]) -> Iterable[list[str]]:
     for a in found:
-        yield [a.id, a.execution_id, _styled(a.status), a.rule_id, a.message, a.timeout_at, a.decided_by]
+        yield [
+            a.id,
+            a.execution_id,
+            _styled(a.status),
+            a.rule_id,
+            a.message,
+            a.timeout_at,
+            a.decided_by,
+        ]
 
 
 @approvals.command("list")
-@click.option("--status", default="pending", show_default=True, type=click.Choice(["pending", "granted", "denied", "expired", "all"]))
+@click.option(
+    "--status",
+    default="pending",
+    show_default=True,
+    type=click.Choice(["pending", "granted", "denied", "expired", "all"]),
+)
 @_client_options
 def approvals_list(status: str, url: str, api_key: str, as_json: bool) -> None:
     """List approvals (pending ones by default)."""
@@ -454,7 +496,9 @@ def approvals_get(approval_id: str, url: str, api_key: str, as_json: bool) -> No
 
     approval, step = _run(url, api_key, work)
     if as_json:
-        _print_json({"approval": approval.model_dump(mode="json"), "step": step.model_dump(mode="json")})
+        _print_json(
+            {"approval": approval.model_dump(mode="json"), "step": step.model_dump(mode="json")}
+        )
         return
     _details(
         [
@@ -481,9 +525,15 @@ _BY_HELP = (
 def _decide(verb: str) -> Callable[..., None]:
     @click.argument("approval_id")
     @click.option("--by", "decided_by", default="", help=_BY_HELP)
-    @click.option("--rationale", default="", help="Why; a denial's rationale becomes the step's denial reason.")
+    @click.option(
+        "--rationale",
+        default="",
+        help="Why; a denial's rationale becomes the step's denial reason.",
+    )
     @_client_options
-    def command(approval_id: str, decided_by: str, rationale: str, url: str, api_key: str, as_json: bool) -> None:
+    def command(
+        approval_id: str, decided_by: str, rationale: str, url: str, api_key: str, as_json: bool
+    ) -> None:
         async def work(client: Client) -> str:
             resolved = await _resolve_approval(client, approval_id)
             method = client.grant_approval if verb == "grant" else client.deny_approval

@@ -41,18 +41,53 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 
 def _kernel_options(fn: Any) -> Any:
     options = [
-        click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
-                     help="Manifest (YAML) of agents to register: agents: [{id, webhook_url, secret, policy | policy_file}]."),
-        click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on."),
-        click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on (0: any free port)."),
-        click.option("--lease-timeout", default=120.0, show_default=True, type=click.FloatRange(min=0.1),
-                     callback=_finite,
-                     help="Seconds a dispatch lease lasts without a heartbeat before it is re-delivered."),
-        click.option("--max-attempts", default=5, show_default=True, type=click.IntRange(min=1),
-                     help="Webhook delivery attempts before an execution fails dispatch_exhausted."),
-        click.option("--synchronous", type=click.Choice(["FULL", "NORMAL"], case_sensitive=False), default="FULL", show_default=True,
-                     help="SQLite durability: FULL survives power loss; NORMAL may lose the last commits on power loss."),
-        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True),
+        click.option(
+            "--config",
+            "config",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Manifest (YAML) of agents to register: "
+            "agents: [{id, webhook_url, secret, policy | policy_file}].",
+        ),
+        click.option(
+            "--host", default="127.0.0.1", show_default=True, help="Interface to listen on."
+        ),
+        click.option(
+            "--port",
+            default=8080,
+            show_default=True,
+            type=click.IntRange(0, 65535),
+            help="Port to listen on (0: any free port).",
+        ),
+        click.option(
+            "--lease-timeout",
+            default=120.0,
+            show_default=True,
+            type=click.FloatRange(min=0.1),
+            callback=_finite,
+            help="Seconds a dispatch lease lasts without a heartbeat before it is re-delivered.",
+        ),
+        click.option(
+            "--max-attempts",
+            default=5,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Webhook delivery attempts before an execution fails dispatch_exhausted.",
+        ),
+        click.option(
+            "--synchronous",
+            type=click.Choice(["FULL", "NORMAL"], case_sensitive=False),
+            default="FULL",
+            show_default=True,
+            help="SQLite durability: FULL survives power loss; "
+            "NORMAL may lose the last commits on power loss.",
+        ),
+        click.option(
+            "--log-level",
+            type=click.Choice(["debug", "info", "warning", "error"]),
+            default="info",
+            show_default=True,
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -80,7 +115,9 @@ def _run(config: KernelConfig, log_level: str, *, banner: str) -> None:
     except StoreError as err:
         raise click.ClickException(str(err)) from None
     except OSError as err:
-        raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {err.strerror}") from None
+        raise click.ClickException(
+            f"cannot listen on {config.host}:{config.port}: {err.strerror}"
+        ) from None
 
 
 def _config(
@@ -119,8 +156,12 @@ def _config(
 
 @cli.command()
 @_kernel_options
-@click.option("--db", default="./rebuno.db", show_default=True,
-              help="SQLite file (created if missing), or :memory: for a throwaway kernel.")
+@click.option(
+    "--db",
+    default="./rebuno.db",
+    show_default=True,
+    help="SQLite file (created if missing), or :memory: for a throwaway kernel.",
+)
 def dev(db: str, log_level: str, **options: Any) -> None:
     """Run an embedded kernel for development: SQLite, no auth."""
     _run(_config(db=db, **options), log_level, banner="rebuno dev kernel")
@@ -129,11 +170,24 @@ def dev(db: str, log_level: str, **options: Any) -> None:
 @cli.command()
 @_kernel_options
 @click.option("--db", required=True, help="SQLite file path for the kernel's data.")
-@click.option("--bearer-token", envvar="REBUNO_BEARER_TOKEN", default=None,
-              help="Token client and admin calls must send (Authorization: Bearer ...). Env: REBUNO_BEARER_TOKEN.")
-@click.option("--principal", "principals", multiple=True, metavar="NAME=TOKEN",
-              help="A named caller: a bearer token whose approvals are recorded as decided by NAME. Repeatable.")
-@click.option("--v1-only", is_flag=True, help="Refuse agent requests signed in the replayable body-only form.")
+@click.option(
+    "--bearer-token",
+    envvar="REBUNO_BEARER_TOKEN",
+    default=None,
+    help="Token client and admin calls must send (Authorization: Bearer ...). "
+    "Env: REBUNO_BEARER_TOKEN.",
+)
+@click.option(
+    "--principal",
+    "principals",
+    multiple=True,
+    metavar="NAME=TOKEN",
+    help="A named caller: a bearer token whose approvals are recorded as decided by NAME. "
+    "Repeatable.",
+)
+@click.option(
+    "--v1-only", is_flag=True, help="Refuse agent requests signed in the replayable body-only form."
+)
 def server(
     db: str,
     log_level: str,

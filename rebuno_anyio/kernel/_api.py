@@ -51,7 +51,13 @@ from rebuno_proto import (
     parse_step_submission,
     parse_stream_delta,
 )
-from rebuno_proto._encode import agent_fields, approval_fields, event_fields, execution_fields, step_fields
+from rebuno_proto._encode import (
+    agent_fields,
+    approval_fields,
+    event_fields,
+    execution_fields,
+    step_fields,
+)
 from rebuno_proto._jsonout import RawJSON
 
 from .._http import Request, Response
@@ -240,14 +246,17 @@ class KernelAPI:
             )
         return _error(Refusal(ErrorCode.NOT_FOUND, f"no route for {request.method} {request.path}"))
 
-    # -- authentication -------------------------------------------------------------
+    # -- authentication ------------------------------------------------------------------------
 
     async def _authenticate(self, auth: str, request: Request) -> _Caller:
         if auth == "open":
             return _Caller()
         if auth == "hmac" or (
             auth == "dual"
-            and (request.header("rebuno-agent-id") is not None or request.header("rebuno-signature") is not None)
+            and (
+                request.header("rebuno-agent-id") is not None
+                or request.header("rebuno-signature") is not None
+            )
         ):
             return await self._agent(request)
         return self._bearer(request)
@@ -290,7 +299,7 @@ class KernelAPI:
             raise _Fail(ErrorCode.UNAUTHORIZED, check.value)
         return _Caller(agent_id=agent.id)
 
-    # -- open -------------------------------------------------------------------------
+    # -- open ----------------------------------------------------------------------------------
 
     @_route("GET", "/v0/health", "open")
     async def health(self, request: Request, caller: _Caller, params: list[str]) -> Response:
@@ -301,12 +310,12 @@ class KernelAPI:
         with anyio.move_on_after(2.0):
             try:
                 await self.kernel.read(lambda tx: tx.next_dispatch_at())
-            except Exception:  # noqa: BLE001 - any store failure means "not ready"
+            except Exception:
                 return Response(503, b'{"status":"unavailable"}', _JSON)
             return _ok(b'{"status":"ready"}')
         return Response(503, b'{"status":"unavailable"}', _JSON)
 
-    # -- executions: reads (dual) ---------------------------------------------------------
+    # -- executions: reads (dual) --------------------------------------------------------------
 
     @_route("GET", "/v0/executions/{id}", "dual")
     async def get_execution(self, request: Request, caller: _Caller, params: list[str]) -> Response:
@@ -327,10 +336,14 @@ class KernelAPI:
         execution_id = _execution_id(params[0])
         status = request.query_params().get("status", "")
         if status not in ("", "terminal"):
-            raise _Fail(ErrorCode.VALIDATION_ERROR, f"status must be 'terminal' or empty, got {status!r}")
+            raise _Fail(
+                ErrorCode.VALIDATION_ERROR, f"status must be 'terminal' or empty, got {status!r}"
+            )
         found = await self.kernel.execution(execution_id, caller.agent_id)
         _reply(found)
-        steps = await self.kernel.read(lambda tx: tx.steps(execution_id, terminal_only=bool(status)))
+        steps = await self.kernel.read(
+            lambda tx: tx.steps(execution_id, terminal_only=bool(status))
+        )
         return _ok(dumps([step_fields(s) for s in steps]).encode("utf-8"))
 
     @_route("GET", "/v0/executions/{id}/steps/{step_id}", "dual")
@@ -357,7 +370,7 @@ class KernelAPI:
         assert isinstance(found, list)
         return _ok(dumps([event_fields(e) for e in found]).encode("utf-8"))
 
-    # -- executions: client commands (bearer) ---------------------------------------------------
+    # -- executions: client commands (bearer) --------------------------------------------------
 
     @_route("POST", "/v0/executions", "bearer")
     async def create(self, request: Request, caller: _Caller, params: list[str]) -> Response:
@@ -367,7 +380,9 @@ class KernelAPI:
         return _ok(encode_execution(created.execution), 201 if created.is_new else 200)
 
     @_route("GET", "/v0/executions", "bearer")
-    async def list_executions(self, request: Request, caller: _Caller, params: list[str]) -> Response:
+    async def list_executions(
+        self, request: Request, caller: _Caller, params: list[str]
+    ) -> Response:
         query = request.query_params()
         status = query.get("status", "")
         if status and status not in _STATUSES:
@@ -378,7 +393,9 @@ class KernelAPI:
         limit = _int_param(query, "limit", 50, low=1, high=200)
         agent_id = query.get("agent_id", "")
         page = await self.kernel.read(
-            lambda tx: tx.executions(agent_id=agent_id, status=status, before_id=cursor, limit=limit)
+            lambda tx: tx.executions(
+                agent_id=agent_id, status=status, before_id=cursor, limit=limit
+            )
         )
         body: dict[str, object] = {"executions": [execution_fields(e) for e in page]}
         if len(page) == limit:
@@ -390,7 +407,7 @@ class KernelAPI:
         _reply(await self.kernel.cancel(_execution_id(params[0])))
         return _no_content()
 
-    # -- executions: agent commands (hmac + lease) ----------------------------------------------------
+    # -- executions: agent commands (hmac + lease) ---------------------------------------------
 
     def _agent_id(self, caller: _Caller) -> str:
         assert caller.agent_id is not None
@@ -408,15 +425,25 @@ class KernelAPI:
     async def _finish_step(
         self, request: Request, caller: _Caller, params: list[str], *, failed: bool
     ) -> Response:
-        execution_id, step_id, lease = _execution_id(params[0]), _step_id(params[1]), _lease(request)
+        execution_id, step_id, lease = (
+            _execution_id(params[0]),
+            _step_id(params[1]),
+            _lease(request),
+        )
         if failed:
             outcome = await self.kernel.finish_step(
-                execution_id, step_id, self._agent_id(caller), lease,
+                execution_id,
+                step_id,
+                self._agent_id(caller),
+                lease,
                 error=parse_step_failure(request.body).error,
             )
         else:
             outcome = await self.kernel.finish_step(
-                execution_id, step_id, self._agent_id(caller), lease,
+                execution_id,
+                step_id,
+                self._agent_id(caller),
+                lease,
                 result=parse_step_completion(request.body).result,
             )
         _reply(outcome)
@@ -476,10 +503,12 @@ class KernelAPI:
             raise _Fail(ErrorCode.NOT_FOUND, "agent not found")
         return _no_content()
 
-    # -- approvals (bearer) ------------------------------------------------------------------------
+    # -- approvals (bearer) --------------------------------------------------------------------
 
     @_route("GET", "/v0/approvals", "bearer")
-    async def list_approvals(self, request: Request, caller: _Caller, params: list[str]) -> Response:
+    async def list_approvals(
+        self, request: Request, caller: _Caller, params: list[str]
+    ) -> Response:
         query = request.query_params()
         status = query.get("status", "") or "pending"
         if status == "all":
@@ -533,10 +562,12 @@ class KernelAPI:
     async def deny(self, request: Request, caller: _Caller, params: list[str]) -> Response:
         return await self._decide(request, caller, params, ApprovalChoice.DENY)
 
-    # -- agents and policies (bearer, admin) ------------------------------------------------------------
+    # -- agents and policies (bearer, admin) ---------------------------------------------------
 
     @_route("POST", "/v0/agents", "bearer")
-    async def register_agent(self, request: Request, caller: _Caller, params: list[str]) -> Response:
+    async def register_agent(
+        self, request: Request, caller: _Caller, params: list[str]
+    ) -> Response:
         reg = parse_agent_registration(request.body)
         # One transaction: a metadata or policy write racing a re-registration
         # must not be lost (a lost policy would let the agent run unchecked).
@@ -583,12 +614,13 @@ class KernelAPI:
             raise _Fail(ErrorCode.NOT_FOUND, "agent not found")
         return _ok(dumps({"agent_id": agent.id, "bundle": agent.policy}).encode("utf-8"))
 
-    # -- optional features (PROTOCOL.md §4.6): not in this kernel -----------------------------------
+    # -- optional features (PROTOCOL.md §4.6): not in this kernel ------------------------------
 
     async def _optional(self, request: Request, caller: _Caller, params: list[str]) -> Response:
         raise _Fail(
             ErrorCode.NOT_IMPLEMENTED,
-            f"{request.method} {request.path} is an optional Rebuno feature this kernel does not offer",
+            f"{request.method} {request.path} is an optional Rebuno feature "
+            "this kernel does not offer",
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from operator import methodcaller
 
 import anyio
 import httpx
@@ -113,7 +114,7 @@ class Dispatcher:
         while True:
             now = kernel.clock()
             batch = self.claim_batch
-            due = await kernel.read(lambda tx, now=now, batch=batch: tx.due_dispatches(now, batch))
+            due: list[str] = await kernel.read(methodcaller("due_dispatches", now, batch))
             for execution_id in due:
                 delivery = await kernel.claim(execution_id)
                 if delivery is not None:
@@ -175,7 +176,7 @@ class Dispatcher:
         lease_s = kernel.settings.lease_timeout_s
         while True:
             now = kernel.clock()
-            lapsed = await kernel.read(lambda tx, now=now: tx.lapsed_leases(now - lease_s, 100))
+            lapsed: list[str] = await kernel.read(methodcaller("lapsed_leases", now - lease_s, 100))
             for execution_id in lapsed:
                 if await kernel.reclaim(execution_id):
                     log.info("lease of %s lapsed; re-queued for delivery", execution_id)
@@ -191,7 +192,7 @@ class Dispatcher:
         kernel = self.kernel
         while True:
             now = kernel.clock()
-            due = await kernel.read(lambda tx, now=now: tx.due_approvals(now, 100))
+            due = await kernel.read(methodcaller("due_approvals", now, 100))
             for approval_id in due:
                 if await kernel.expire(approval_id):
                     log.info("approval %s expired", approval_id)

@@ -95,5 +95,7 @@ def _agent(entry: Any, index: int, path: str, base: str) -> ManifestAgent:
             with open(file, encoding="utf-8") as f:
                 policy = f.read()
         except OSError as err:
-            raise ManifestError(f"{where}: cannot read policy_file {file}: {err.strerror}") from None
+            raise ManifestError(
+                f"{where}: cannot read policy_file {file}: {err.strerror}"
+            ) from None
     return ManifestAgent(id=reg.id, webhook_url=reg.webhook_url, secret=reg.secret, policy=policy)

@@ -79,7 +79,9 @@ async def _register(kernel: Kernel, agents: tuple[ManifestAgent, ...]) -> None:
             webhook_url=entry.webhook_url,
             secret=entry.secret,
             registered_at=kernel.clock() if existing is None else existing.registered_at,
-            policy=entry.policy if entry.policy is not None or existing is None else existing.policy,
+            policy=entry.policy
+            if entry.policy is not None or existing is None
+            else existing.policy,
         )
         if existing is not None:
             agent = dataclasses.replace(

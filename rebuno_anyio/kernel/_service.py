@@ -13,6 +13,7 @@ import dataclasses
 import random
 import time
 from collections.abc import Callable
+from operator import methodcaller
 from typing import Any, TypeVar
 
 import anyio
@@ -164,7 +165,9 @@ class Kernel:
         return tx.dispatch_owner(lease.dispatch_id) if needs_lease_owner(execution, lease) else None
 
     def _pending(self, tx: Tx, execution: Execution) -> tuple[tuple[Approval, Step], ...]:
-        return tuple(tx.pending_approvals(execution.id)) if execution.status.value == "blocked" else ()
+        return (
+            tuple(tx.pending_approvals(execution.id)) if execution.status.value == "blocked" else ()
+        )
 
     # -- agents ----------------------------------------------------------------------
 
@@ -260,7 +263,7 @@ class Kernel:
 
         return await self._command(rule)
 
-    async def cancel(self, execution_id: str) -> None | Refusal:
+    async def cancel(self, execution_id: str) -> Refusal | None:
         def rule(tx: Tx, now: float) -> Outcome[None]:
             execution = tx.execution(execution_id)
             if execution is None:
@@ -279,7 +282,7 @@ class Kernel:
 
     async def decide_approval(
         self, approval_id: str, choice: ApprovalChoice, *, decided_by: str, rationale: str
-    ) -> None | Refusal:
+    ) -> Refusal | None:
         def rule(tx: Tx, now: float) -> Outcome[None]:
             approval = tx.approval(approval_id)
             if approval is None:
@@ -382,7 +385,7 @@ class Kernel:
 
         return await self._command(rule)
 
-    async def heartbeat(self, execution_id: str, caller: str, lease: Lease) -> None | Refusal:
+    async def heartbeat(self, execution_id: str, caller: str, lease: Lease) -> Refusal | None:
         def rule(tx: Tx, now: float) -> Outcome[None]:
             execution = tx.execution(execution_id)
             if execution is None:
@@ -403,7 +406,7 @@ class Kernel:
         caller: str,
         lease: Lease,
         ending: ExecutionCompletion | ExecutionFailure,
-    ) -> None | Refusal:
+    ) -> Refusal | None:
         """The agent completes or fails its execution."""
 
         def rule(tx: Tx, now: float) -> Outcome[None]:
@@ -563,7 +566,7 @@ class Kernel:
         `rebuno_proto.retire_lease_after_restart`); returns how many."""
         count, after = 0, ""
         while True:
-            page = await self.store.run(lambda tx, after=after: tx.leased(after, 200))
+            page: list[str] = await self.store.run(methodcaller("leased", after, 200))
             for execution_id in page:
 
                 def rule(tx: Tx, now: float, execution_id: str = execution_id) -> Outcome[bool]:

@@ -228,9 +228,7 @@ class _MemoryTx:
 
     def leased(self, after_id: str, limit: int) -> list[str]:
         return sorted(
-            e.id
-            for e in self._d.executions.values()
-            if e.id > after_id and holds_lease(e)
+            e.id for e in self._d.executions.values() if e.id > after_id and holds_lease(e)
         )[:limit]
 
     def _pending_approvals(self) -> list[tuple[float, str]]:
