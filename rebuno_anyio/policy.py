@@ -19,7 +19,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import re2
 import yaml
@@ -49,8 +49,10 @@ from rebuno_proto import (
     rate_key,
 )
 
-from .kernel._service import PolicyHook
 from .store import Tx
+
+if TYPE_CHECKING:  # the kernel package imports this module at its own import
+    from .kernel._service import PolicyHook
 
 __all__ = [
     "BundleCache",

@@ -15,7 +15,7 @@ import rebuno_anyio
 
 PROBE = (
     "import importlib, sys; importlib.import_module({name!r}); "
-    "sys.exit('rebuno_asgi' in sys.modules)"
+    "sys.exit(3 if 'rebuno_asgi' in sys.modules else 0)"
 )
 
 
@@ -25,15 +25,21 @@ def main() -> int:
         for m in pkgutil.walk_packages(rebuno_anyio.__path__, "rebuno_anyio.")
         if not m.name.endswith("__main__")
     ]
-    bad = [
-        name
-        for name in names
-        if subprocess.run([sys.executable, "-c", PROBE.format(name=name)], check=False).returncode
-    ]
+    bad, broken = [], []
+    for name in names:
+        code = subprocess.run(
+            [sys.executable, "-c", PROBE.format(name=name)], check=False
+        ).returncode
+        if code == 3:
+            bad.append(name)
+        elif code:
+            broken.append(name)
     for name in bad:
         print(f"importing {name} imports rebuno_asgi (rebuno_anyio must stay below it)")
-    print(f"checked {len(names)} rebuno_anyio modules: {'FAIL' if bad else 'ok'}")
-    return 1 if bad else 0
+    for name in broken:
+        print(f"{name} cannot be imported on its own (see the traceback above)")
+    print(f"checked {len(names)} rebuno_anyio modules: {'FAIL' if bad or broken else 'ok'}")
+    return 1 if bad or broken else 0
 
 
 if __name__ == "__main__":
