@@ -46,11 +46,10 @@ __all__ = [
     "Delivery",
     "cancel_execution",
     "claim_dispatch",
-    "complete_execution",
     "create_execution",
     "decide_approval",
+    "end_execution",
     "expire_approval",
-    "fail_execution",
     "heartbeat",
     "holds_lease",
     "previous_state",
@@ -153,64 +152,40 @@ def _may_end(
     return lease_refusal(execution, lease, lease_owner, allow_retired=True)
 
 
-def complete_execution(
+def end_execution(
     *,
     execution: Execution,
     caller: str | None,
     lease: Lease,
     lease_owner: str | None,
-    completion: ExecutionCompletion,
+    ending: ExecutionCompletion | ExecutionFailure,
     session: SessionView,
     pending: tuple[tuple[Approval, Step], ...],
     new_id: NewId,
     now: float,
     settings: DispatchSettings,
 ) -> Outcome[None]:
-    """The agent's handler returned: the execution completes with its output
-    (and session state)."""
+    """The agent ends its execution: completed with the handler's output (and
+    session state), or failed with `ending.error` as the reason.
+
+    Refused (nothing changes) for another agent's execution, a terminal one
+    (`409 execution_terminal`), or a lease that may not act.
+    """
     refusal = _may_end(execution, caller, lease, lease_owner)
     if refusal is not None:
         return Outcome(reply=refusal)
     tx = Tx(now)
+    is_completion = isinstance(ending, ExecutionCompletion)
     tx.finish(
         tx.track(execution),
-        ExecutionTrigger.AGENT_COMPLETED,
+        ExecutionTrigger.AGENT_COMPLETED if is_completion else ExecutionTrigger.AGENT_FAILED,
         session=session,
         pending=pending,
         new_id=new_id,
         settings=settings,
-        output=completion.output,
-        state=completion.state,
-    )
-    return tx.outcome(None)
-
-
-def fail_execution(
-    *,
-    execution: Execution,
-    caller: str | None,
-    lease: Lease,
-    lease_owner: str | None,
-    failure: ExecutionFailure,
-    session: SessionView,
-    pending: tuple[tuple[Approval, Step], ...],
-    new_id: NewId,
-    now: float,
-    settings: DispatchSettings,
-) -> Outcome[None]:
-    """The agent failed the execution; `failure.error` is the reason."""
-    refusal = _may_end(execution, caller, lease, lease_owner)
-    if refusal is not None:
-        return Outcome(reply=refusal)
-    tx = Tx(now)
-    tx.finish(
-        tx.track(execution),
-        ExecutionTrigger.AGENT_FAILED,
-        session=session,
-        pending=pending,
-        new_id=new_id,
-        settings=settings,
-        reason=failure.error,
+        output=ending.output if isinstance(ending, ExecutionCompletion) else None,
+        state=ending.state if isinstance(ending, ExecutionCompletion) else None,
+        reason=ending.error if isinstance(ending, ExecutionFailure) else "",
     )
     return tx.outcome(None)
 

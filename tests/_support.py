@@ -37,13 +37,12 @@ from rebuno_proto import (
     Verdict,
     cancel_execution,
     claim_dispatch,
-    complete_execution,
     complete_step,
     create_execution,
     decide_approval,
     decide_submission,
+    end_execution,
     expire_approval,
-    fail_execution,
     fail_step,
     heartbeat,
     needs_indeterminate_check,
@@ -455,12 +454,12 @@ class Kernel:
     ) -> Outcome[None]:
         ex = self.ex(execution_id)
         return self.commit(
-            complete_execution(
+            end_execution(
                 execution=ex,
                 caller=ex.agent_id,
                 lease=lease,
                 lease_owner=self.lease_owner(ex, lease),
-                completion=ExecutionCompletion(output=output, state=state),
+                ending=ExecutionCompletion(output=output, state=state),
                 session=self.session_view(ex),
                 pending=self.pending(execution_id),
                 new_id=self.ids,
@@ -474,12 +473,12 @@ class Kernel:
     ) -> Outcome[None]:
         ex = self.ex(execution_id)
         return self.commit(
-            fail_execution(
+            end_execution(
                 execution=ex,
                 caller=ex.agent_id,
                 lease=lease,
                 lease_owner=self.lease_owner(ex, lease),
-                failure=ExecutionFailure(error=reason),
+                ending=ExecutionFailure(error=reason),
                 session=self.session_view(ex),
                 pending=self.pending(execution_id),
                 new_id=self.ids,

@@ -48,8 +48,7 @@ from rebuno_proto import (
     backoff_delay,
     check_owner,
     claim_dispatch,
-    complete_execution,
-    fail_execution,
+    end_execution,
     heartbeat,
     holds_lease,
     lease_lapsed,
@@ -616,16 +615,16 @@ def test_other_agent_is_403_everywhere() -> None:
     forbidden = Refusal(ErrorCode.FORBIDDEN, f"execution {ex.id} belongs to another agent")
     outcomes: list[Outcome[Any]] = [
         heartbeat(**common),
-        complete_execution(
-            completion=ExecutionCompletion(output="1", state=None),
+        end_execution(
+            ending=ExecutionCompletion(output="1", state=None),
             session=NO_SESSION,
             pending=(),
             new_id=no_ids,
             settings=SETTINGS,
             **common,
         ),
-        fail_execution(
-            failure=ExecutionFailure(error="x"),
+        end_execution(
+            ending=ExecutionFailure(error="x"),
             session=NO_SESSION,
             pending=(),
             new_id=no_ids,

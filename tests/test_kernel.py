@@ -45,9 +45,9 @@ from rebuno_proto import (
     StepStatus,
     Verdict,
     cancel_execution,
-    complete_execution,
     create_execution,
     decide_approval,
+    end_execution,
     expire_approval,
     previous_state,
 )
@@ -606,12 +606,12 @@ def test_finish_without_session_admits_nothing() -> None:
         ExecutionStatus.PENDING, exec_id="0192f1a0-0000-7000-8000-0000000000bb", session="s"
     )
     view = SessionView(next_pending=queued, head_for_next=None)
-    outcome = complete_execution(
+    outcome = end_execution(
         execution=execution(),
         caller=AGENT_ID,
         lease=LEASE,
         lease_owner=None,
-        completion=ExecutionCompletion(output="1", state=None),
+        ending=ExecutionCompletion(output="1", state=None),
         session=view,
         pending=(),
         new_id=no_ids,
@@ -624,12 +624,12 @@ def test_finish_without_session_admits_nothing() -> None:
 def test_finish_ignores_a_next_that_is_no_longer_pending() -> None:
     running = execution(exec_id="0192f1a0-0000-7000-8000-0000000000bb", session="s")
     view = SessionView(next_pending=running, head_for_next=None)
-    outcome = complete_execution(
+    outcome = end_execution(
         execution=execution(session="s"),
         caller=AGENT_ID,
         lease=LEASE,
         lease_owner=None,
-        completion=ExecutionCompletion(output="1", state=None),
+        ending=ExecutionCompletion(output="1", state=None),
         session=view,
         pending=(),
         new_id=no_ids,

@@ -63,13 +63,12 @@ from rebuno_proto import (
     Verdict,
     cancel_execution,
     claim_dispatch,
-    complete_execution,
     complete_step,
     create_execution,
     decide_approval,
     decide_submission,
+    end_execution,
     expire_approval,
-    fail_execution,
     fail_step,
     needs_indeterminate_check,
     needs_lease_owner,
@@ -521,10 +520,10 @@ class Driver:
                 "settings": SETTINGS,
             }
             if failure is None:
-                return complete_execution(
-                    completion=ExecutionCompletion(output=output, state=state), **common
+                return end_execution(
+                    ending=ExecutionCompletion(output=output, state=state), **common
                 )
-            return fail_execution(failure=ExecutionFailure(error=failure), **common)
+            return end_execution(ending=ExecutionFailure(error=failure), **common)
 
         reply = (await self.command(rule)).reply
         assert reply is None, reply

@@ -45,13 +45,12 @@ from rebuno_proto import (
     cancel_execution,
     check_owner,
     claim_dispatch,
-    complete_execution,
     complete_step,
     create_execution,
     decide_approval,
     decide_submission,
+    end_execution,
     expire_approval,
-    fail_execution,
     fail_step,
     heartbeat,
     lease_refusal,
@@ -137,6 +136,43 @@ class Kernel:
         outcome = await self.store.run(run)
         self._after_commit(outcome)
         return outcome.reply
+
+    async def _on_execution(
+        self,
+        execution_id: str,
+        rule: Callable[[Tx, Execution, float], Outcome[R]],
+        *,
+        missing: R | Refusal | None = None,
+    ) -> R | Refusal:
+        """`_command` for a rule about one execution: load it first; an unknown
+        id answers `missing` (default: 404 execution not found)."""
+
+        def run(tx: Tx, now: float) -> Outcome[R]:
+            execution = tx.execution(execution_id)
+            if execution is None:
+                return Outcome(reply=_not_found() if missing is None else missing)
+            return rule(tx, execution, now)
+
+        return await self._command(run)
+
+    async def _on_approval(
+        self,
+        approval_id: str,
+        rule: Callable[[Tx, Approval, Execution, Step, float], Outcome[R]],
+        *,
+        missing: R | Refusal,
+    ) -> R | Refusal:
+        """`_command` for a rule about one approval, its execution and its step."""
+
+        def run(tx: Tx, now: float) -> Outcome[R]:
+            approval = tx.approval(approval_id)
+            execution = None if approval is None else tx.execution(approval.execution_id)
+            step = None if approval is None else tx.step(approval.step_id)
+            if approval is None or execution is None or step is None:
+                return Outcome(reply=missing)
+            return rule(tx, approval, execution, step, now)
+
+        return await self._command(run)
 
     def _after_commit(self, outcome: Outcome[Any]) -> None:
         if outcome.dispatch_due_at is not None:
@@ -264,10 +300,7 @@ class Kernel:
         return await self._command(rule)
 
     async def cancel(self, execution_id: str) -> Refusal | None:
-        def rule(tx: Tx, now: float) -> Outcome[None]:
-            execution = tx.execution(execution_id)
-            if execution is None:
-                return Outcome(reply=_not_found())
+        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[None]:
             return cancel_execution(
                 execution=execution,
                 session=self._session_view(tx, execution),
@@ -278,19 +311,14 @@ class Kernel:
                 settings=self.settings,
             )
 
-        return await self._command(rule)
+        return await self._on_execution(execution_id, rule)
 
     async def decide_approval(
         self, approval_id: str, choice: ApprovalChoice, *, decided_by: str, rationale: str
     ) -> Refusal | None:
-        def rule(tx: Tx, now: float) -> Outcome[None]:
-            approval = tx.approval(approval_id)
-            if approval is None:
-                return Outcome(reply=_not_found("approval"))
-            execution = tx.execution(approval.execution_id)
-            step = tx.step(approval.step_id)
-            if execution is None or step is None:
-                return Outcome(reply=_not_found("approval"))
+        def rule(
+            tx: Tx, approval: Approval, execution: Execution, step: Step, now: float
+        ) -> Outcome[None]:
             return decide_approval(
                 approval=approval,
                 execution=execution,
@@ -303,7 +331,7 @@ class Kernel:
                 settings=self.settings,
             )
 
-        return await self._command(rule)
+        return await self._on_approval(approval_id, rule, missing=_not_found("approval"))
 
     # -- agent commands ------------------------------------------------------------------
 
@@ -312,10 +340,7 @@ class Kernel:
     ) -> StepDecision | Refusal:
         digest = submission_hash(submission)
 
-        def rule(tx: Tx, now: float) -> Outcome[StepDecision]:
-            execution = tx.execution(execution_id)
-            if execution is None:
-                return Outcome(reply=_not_found())
+        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[StepDecision]:
             counter = tx.counter(execution.id, submission.kind, submission.target, digest)
             key = step_key(execution.id, submission, counter, args_hash=digest)
             existing = tx.step(key.step_id)
@@ -343,7 +368,7 @@ class Kernel:
                 now=now,
             )
 
-        return await self._command(rule)
+        return await self._on_execution(execution_id, rule)
 
     async def finish_step(
         self,
@@ -357,10 +382,7 @@ class Kernel:
     ) -> StepDecision | Refusal:
         """Record a step's result (`result`) or failure (`error`)."""
 
-        def rule(tx: Tx, now: float) -> Outcome[StepDecision]:
-            execution = tx.execution(execution_id)
-            if execution is None:
-                return Outcome(reply=_not_found())
+        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[StepDecision]:
             owner = self._lease_owner(tx, execution, lease)
             step = tx.step(step_id)
             if error is None:
@@ -383,13 +405,10 @@ class Kernel:
                 now=now,
             )
 
-        return await self._command(rule)
+        return await self._on_execution(execution_id, rule)
 
     async def heartbeat(self, execution_id: str, caller: str, lease: Lease) -> Refusal | None:
-        def rule(tx: Tx, now: float) -> Outcome[None]:
-            execution = tx.execution(execution_id)
-            if execution is None:
-                return Outcome(reply=_not_found())
+        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[None]:
             return heartbeat(
                 execution=execution,
                 caller=caller,
@@ -398,7 +417,7 @@ class Kernel:
                 now=now,
             )
 
-        return await self._command(rule)
+        return await self._on_execution(execution_id, rule)
 
     async def end(
         self,
@@ -409,40 +428,21 @@ class Kernel:
     ) -> Refusal | None:
         """The agent completes or fails its execution."""
 
-        def rule(tx: Tx, now: float) -> Outcome[None]:
-            execution = tx.execution(execution_id)
-            if execution is None:
-                return Outcome(reply=_not_found())
-            owner = self._lease_owner(tx, execution, lease)
-            session = self._session_view(tx, execution)
-            pending = self._pending(tx, execution)
-            if isinstance(ending, ExecutionCompletion):
-                return complete_execution(
-                    execution=execution,
-                    caller=caller,
-                    lease=lease,
-                    lease_owner=owner,
-                    completion=ending,
-                    session=session,
-                    pending=pending,
-                    new_id=self.new_id,
-                    now=now,
-                    settings=self.settings,
-                )
-            return fail_execution(
+        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[None]:
+            return end_execution(
                 execution=execution,
                 caller=caller,
                 lease=lease,
-                lease_owner=owner,
-                failure=ending,
-                session=session,
-                pending=pending,
+                lease_owner=self._lease_owner(tx, execution, lease),
+                ending=ending,
+                session=self._session_view(tx, execution),
+                pending=self._pending(tx, execution),
                 new_id=self.new_id,
                 now=now,
                 settings=self.settings,
             )
 
-        return await self._command(rule)
+        return await self._on_execution(execution_id, rule)
 
     async def check_lease(self, execution_id: str, caller: str, lease: Lease) -> Refusal | None:
         """Read-only: may this lease act (used for best-effort stream deltas)?"""
@@ -517,10 +517,7 @@ class Kernel:
     # -- background work: the dispatcher, reaper and timers call these -----------------------
 
     async def claim(self, execution_id: str) -> Delivery | None:
-        def rule(tx: Tx, now: float) -> Outcome[Delivery | None]:
-            execution = tx.execution(execution_id)
-            if execution is None:
-                return Outcome(reply=None)
+        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[Delivery | None]:
             return claim_dispatch(
                 execution=execution,
                 session=self._session_view(tx, execution),
@@ -529,16 +526,13 @@ class Kernel:
                 settings=self.settings,
             )
 
-        reply = await self._command(rule)
+        reply = await self._on_execution(execution_id, rule)
         return None if isinstance(reply, Refusal) else reply
 
     async def delivered(self, delivery: Delivery, *, is_acked: bool) -> None:
         jitter = self.jitter()
 
-        def rule(tx: Tx, now: float) -> Outcome[None]:
-            execution = tx.execution(delivery.execution_id)
-            if execution is None:
-                return Outcome(reply=None)
+        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[None]:
             return record_delivery(
                 execution=execution,
                 lease=delivery.lease(),
@@ -550,16 +544,13 @@ class Kernel:
                 settings=self.settings,
             )
 
-        await self._command(rule)
+        await self._on_execution(delivery.execution_id, rule)
 
     async def reclaim(self, execution_id: str) -> bool:
-        def rule(tx: Tx, now: float) -> Outcome[bool]:
-            execution = tx.execution(execution_id)
-            if execution is None:
-                return Outcome(reply=False)
+        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[bool]:
             return reclaim_lease(execution=execution, now=now, settings=self.settings)
 
-        return await self._command(rule) is True
+        return await self._on_execution(execution_id, rule, missing=False) is True
 
     async def retire_leases(self) -> int:
         """At start: retire every lease granted before (see
@@ -568,27 +559,22 @@ class Kernel:
         while True:
             page: list[str] = await self.store.run(methodcaller("leased", after, 200))
             for execution_id in page:
-
-                def rule(tx: Tx, now: float, execution_id: str = execution_id) -> Outcome[bool]:
-                    execution = tx.execution(execution_id)
-                    if execution is None:
-                        return Outcome(reply=False)
-                    return retire_lease_after_restart(execution=execution, now=now)
-
-                count += await self._command(rule) is True
+                retired = await self._on_execution(
+                    execution_id,
+                    lambda tx, execution, now: retire_lease_after_restart(
+                        execution=execution, now=now
+                    ),
+                    missing=False,
+                )
+                count += retired is True
             if len(page) < 200:
                 return count
             after = page[-1]
 
     async def expire(self, approval_id: str) -> bool:
-        def rule(tx: Tx, now: float) -> Outcome[bool]:
-            approval = tx.approval(approval_id)
-            if approval is None:
-                return Outcome(reply=False)
-            execution = tx.execution(approval.execution_id)
-            step = tx.step(approval.step_id)
-            if execution is None or step is None:
-                return Outcome(reply=False)
+        def rule(
+            tx: Tx, approval: Approval, execution: Execution, step: Step, now: float
+        ) -> Outcome[bool]:
             return expire_approval(
                 approval=approval,
                 execution=execution,
@@ -598,4 +584,4 @@ class Kernel:
                 settings=self.settings,
             )
 
-        return await self._command(rule) is True
+        return await self._on_approval(approval_id, rule, missing=False) is True
