@@ -19,7 +19,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import re2
 import yaml
@@ -51,12 +51,17 @@ from rebuno_proto import (
 
 from .store import Tx
 
-if TYPE_CHECKING:  # the kernel package imports this module at its own import
-    from .kernel._service import PolicyHook
+#: How the kernel asks for a verdict on a new step: (tx, execution, agent,
+#: submission, now) -> (verdict, rate-limit buckets to store if the step is
+#: counted). `policy_hook` builds the one that enforces agents' bundles.
+PolicyHook = Callable[
+    [Tx, Execution, Agent | None, StepSubmission, float], tuple[Verdict, tuple[RateBucket, ...]]
+]
 
 __all__ = [
     "BundleCache",
     "PolicyBundleError",
+    "PolicyHook",
     "bundle_cache",
     "compile_bundle",
     "compile_bundle_text",

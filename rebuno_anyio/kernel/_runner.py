@@ -17,12 +17,12 @@ from anyio.abc import TaskStatus
 from rebuno_proto import Agent, DispatchSettings
 
 from .._server import HttpServer, ServerLimits
-from ..policy import compile_bundle_text, policy_hook
+from ..policy import PolicyHook, compile_bundle_text, policy_hook
 from ..store import open_store
 from ._api import KernelAPI, PolicyLoader
 from ._dispatcher import Dispatcher
 from ._manifest import ManifestAgent
-from ._service import Kernel, PolicyHook
+from ._service import Kernel
 
 __all__ = ["KernelConfig", "RunningKernel", "serve_kernel"]
 

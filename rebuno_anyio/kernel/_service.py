@@ -65,17 +65,12 @@ from rebuno_proto import (
 )
 
 from .._ids import uuid7
+from ..policy import PolicyHook
 from ..store import Store, Tx
 
-__all__ = ["Kernel", "PolicyHook"]
+__all__ = ["Kernel"]
 
 R = TypeVar("R")
-
-#: Evaluates policy for a new step: (tx, execution, agent, submission, now) ->
-#: (verdict, rate-limit buckets to store if the step is counted).
-PolicyHook = Callable[
-    [Tx, Execution, Agent | None, StepSubmission, float], tuple[Verdict, tuple[RateBucket, ...]]
-]
 
 
 def _allow_all(
