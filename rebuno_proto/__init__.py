@@ -47,7 +47,17 @@ from ._agent import (
 from ._agent import (
     Outcome as HandlerOutcome,
 )
+from ._approvals import ApprovalChoice, decide_approval, expire_approval
 from ._canonical import Document, canonical_json, parse_document
+from ._delivery import (
+    Delivery,
+    claim_dispatch,
+    holds_lease,
+    lease_lapsed,
+    reclaim_lease,
+    record_delivery,
+    retire_lease_after_restart,
+)
 from ._dispatch import (
     DispatchSettings,
     LeaseStatus,
@@ -77,22 +87,12 @@ from ._errors import (
 from ._events import EventType
 from ._jsonout import RawJSON, dumps
 from ._kernel import (
-    ApprovalChoice,
     Created,
-    Delivery,
     cancel_execution,
-    claim_dispatch,
     create_execution,
-    decide_approval,
     end_execution,
-    expire_approval,
     heartbeat,
-    holds_lease,
-    lease_lapsed,
     previous_state,
-    reclaim_lease,
-    record_delivery,
-    retire_lease_after_restart,
 )
 from ._outcome import (
     Change,

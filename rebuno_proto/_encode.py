@@ -10,8 +10,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Final
 
+from ._delivery import Delivery
 from ._jsonout import JSONOut, RawJSON, dumps
-from ._kernel import Delivery
 from ._outcome import Refusal, StepDecision
 from ._records import Agent, Approval, Event, Execution, Step
 

@@ -1,6 +1,6 @@
-"""Execution lifecycle rules (PROTOCOL.md §6.1, §6.3, §8): create, heartbeat,
-complete, fail, cancel; claim, delivery result and reclaim of the dispatch;
-approval decisions and expiry; the session's previous state.
+"""Execution lifecycle rules (PROTOCOL.md §6.1, §8): create, heartbeat, end
+(complete or fail), cancel; the session's previous state. The dispatch's rules
+are in `_delivery`, the approvals' in `_approvals`.
 
 Every rule is a pure function over the records the service read under the
 execution's lock. It returns an `Outcome`: the reply, the `Change` to commit,
@@ -9,14 +9,11 @@ and when the dispatcher or the timer should wake.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from dataclasses import dataclass
 from typing import Final
 
 from ._dispatch import (
     DispatchSettings,
-    backoff_delay,
     lease_refusal,
     renew_lease,
 )
@@ -24,42 +21,22 @@ from ._events import EventType
 from ._outcome import ErrorCode, Outcome, Refusal
 from ._records import Agent, Approval, Execution, Lease, Step
 from ._state import (
-    APPROVAL_TRANSITIONS,
-    DISPATCH_TRANSITIONS,
-    EXECUTION_TRANSITIONS,
-    STEP_TRANSITIONS,
-    ApprovalStatus,
-    ApprovalTrigger,
-    DispatchStatus,
-    DispatchTrigger,
     ExecutionStatus,
     ExecutionTrigger,
-    StepTrigger,
-    advance,
 )
 from ._tx import NewId, SessionView, Tx, check_owner
 from ._wire import CreateExecution, ExecutionCompletion, ExecutionFailure
 
 __all__ = [
-    "ApprovalChoice",
     "Created",
-    "Delivery",
     "cancel_execution",
-    "claim_dispatch",
     "create_execution",
-    "decide_approval",
     "end_execution",
-    "expire_approval",
     "heartbeat",
-    "holds_lease",
     "previous_state",
-    "reclaim_lease",
-    "record_delivery",
-    "retire_lease_after_restart",
 ]
 
 _T: Final = EventType
-_CLAIMABLE: Final = (DispatchStatus.PENDING, DispatchStatus.FAILED)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -218,341 +195,6 @@ def cancel_execution(
     )
     tx.cancel_steps(ended, active_steps)
     return tx.outcome(None)
-
-
-# -- dispatch ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Delivery:
-    """A claimed dispatch to deliver: POST the webhook for this lease."""
-
-    execution_id: str
-    agent_id: str
-    dispatch_id: str
-    attempt: int
-
-    def lease(self) -> Lease:
-        return Lease(dispatch_id=self.dispatch_id, attempt=self.attempt)
-
-
-def claim_dispatch(
-    *,
-    execution: Execution,
-    session: SessionView,
-    new_id: NewId,
-    now: float,
-    settings: DispatchSettings,
-) -> Outcome[Delivery | None]:
-    """Claim the execution's dispatch if it is due: attempt + 1, `in_flight`,
-    occurrence counters cleared. Past `max_attempts` the execution fails
-    `dispatch_exhausted`; a terminal execution's dispatch is discarded."""
-    dispatch = execution.dispatch
-    if dispatch is None or dispatch.status not in _CLAIMABLE or dispatch.next_attempt_at > now:
-        return Outcome(reply=None)
-    tx = Tx(now)
-    execution = tx.track(execution)
-    if execution.status.is_terminal or dispatch.attempt + 1 > dispatch.max_attempts:
-        refused = dataclasses.replace(
-            dispatch,
-            status=advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.CLAIM_REFUSED),
-        )
-        execution = tx.put(dataclasses.replace(execution, dispatch=refused))
-        if execution.status.is_terminal:
-            tx.log(execution).dispatch(_T.DISPATCH_DISCARDED, refused, "exhausted")
-        else:
-            tx.finish(
-                execution,
-                ExecutionTrigger.DISPATCH_EXHAUSTED,
-                session=session,
-                pending=(),
-                new_id=new_id,
-                settings=settings,
-                reason="dispatch_exhausted",
-            )
-        return tx.outcome(None)
-    claimed = dataclasses.replace(
-        dispatch,
-        status=advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.CLAIMED),
-        attempt=dispatch.attempt + 1,
-        locked_at=now,
-    )
-    tx.put(dataclasses.replace(execution, dispatch=claimed))
-    tx.cleared_counters.append(execution.id)
-    return tx.outcome(
-        Delivery(
-            execution_id=execution.id,
-            agent_id=execution.agent_id,
-            dispatch_id=claimed.id,
-            attempt=claimed.attempt,
-        )
-    )
-
-
-def record_delivery(
-    *,
-    execution: Execution,
-    lease: Lease,
-    is_acked: bool,
-    jitter: float,
-    session: SessionView,
-    new_id: NewId,
-    now: float,
-    settings: DispatchSettings,
-) -> Outcome[None]:
-    """Record how a webhook POST went. 2xx: `dispatch.acked`, the lease stays
-    held. Otherwise `dispatch.failed`, and a retry after backoff -- or, on the
-    last allowed attempt, the execution fails `dispatch_exhausted`. A result
-    for a lease that is no longer current changes nothing."""
-    dispatch = execution.dispatch
-    if (
-        execution.status.is_terminal
-        or dispatch is None
-        or dispatch.status is not DispatchStatus.IN_FLIGHT
-        or dispatch.lease() != lease
-    ):
-        return Outcome(reply=None)
-    tx = Tx(now)
-    execution = tx.track(execution)
-    if is_acked:
-        advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.DELIVERY_ACKED)
-        execution = tx.put(renew_lease(execution, now, always=True))
-        tx.log(execution).dispatch(_T.DISPATCH_ACKED, dispatch, "acked")
-        return tx.outcome(None)
-    if dispatch.attempt >= dispatch.max_attempts:
-        failed = dataclasses.replace(
-            dispatch,
-            status=advance(
-                DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.DELIVERY_EXHAUSTED
-            ),
-        )
-        execution = tx.put(dataclasses.replace(execution, dispatch=failed))
-        tx.log(execution).dispatch(_T.DISPATCH_FAILED, failed, "failed")
-        tx.finish(
-            execution,
-            ExecutionTrigger.DISPATCH_EXHAUSTED,
-            session=session,
-            pending=(),
-            new_id=new_id,
-            settings=settings,
-            reason="dispatch_exhausted",
-        )
-        return tx.outcome(None)
-    due = now + backoff_delay(dispatch.attempt, jitter, settings)
-    failed = dataclasses.replace(
-        dispatch,
-        status=advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.DELIVERY_FAILED),
-        next_attempt_at=due,
-        locked_at=None,
-    )
-    execution = tx.put(dataclasses.replace(execution, dispatch=failed))
-    tx.log(execution).dispatch(_T.DISPATCH_FAILED, failed, "failed")
-    tx.dispatch_due_at = due
-    return tx.outcome(None)
-
-
-def lease_lapsed(execution: Execution, now: float, settings: DispatchSettings) -> bool:
-    """Whether the execution's in-flight lease has not been renewed for a lease timeout."""
-    dispatch = execution.dispatch
-    return (
-        dispatch is not None
-        and dispatch.status is DispatchStatus.IN_FLIGHT
-        and dispatch.locked_at is not None
-        and now - dispatch.locked_at >= settings.lease_timeout_s
-    )
-
-
-def reclaim_lease(*, execution: Execution, now: float, settings: DispatchSettings) -> Outcome[bool]:
-    """The reaper: an in-flight dispatch whose lease lapsed goes back to the
-    queue, due now, attempt unchanged; the next claim re-delivers the same
-    dispatch id with attempt + 1 (`dispatch.queued` records it)."""
-    if not lease_lapsed(execution, now, settings) or execution.status.is_terminal:
-        return Outcome(reply=False)
-    dispatch = execution.dispatch
-    assert dispatch is not None
-    tx = Tx(now)
-    requeued = dataclasses.replace(
-        dispatch,
-        status=advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.LEASE_LAPSED),
-        next_attempt_at=now,
-        locked_at=None,
-    )
-    execution = tx.put(dataclasses.replace(tx.track(execution), dispatch=requeued))
-    tx.log(execution).dispatch(_T.DISPATCH_QUEUED, requeued, "pending")
-    tx.dispatch_due_at = now
-    return tx.outcome(True)
-
-
-def holds_lease(execution: Execution) -> bool:
-    """Whether some agent may still act under a lease of this execution: an
-    in-flight dispatch, or one retired by the execution's own block."""
-    dispatch = execution.dispatch
-    if dispatch is None or execution.status.is_terminal:
-        return False
-    return dispatch.status is DispatchStatus.IN_FLIGHT or (
-        dispatch.status is DispatchStatus.EXHAUSTED and execution.status is ExecutionStatus.BLOCKED
-    )
-
-
-def retire_lease_after_restart(*, execution: Execution, now: float) -> Outcome[bool]:
-    """A kernel (re)start retires every lease granted before it.
-
-    The occurrence counters of a dispatch attempt live only in the kernel's
-    memory (they reset at every claim anyway), so after a restart no earlier
-    attempt may submit again: an in-flight dispatch is re-queued at once (the
-    next claim re-delivers it with attempt + 1 and a fresh count; the old
-    handler gets `lease_superseded`), and a dispatch retired by a block moves to
-    a new attempt so its lease no longer matches. A crashed kernel's runs are
-    re-dispatched immediately instead of after a lease timeout.
-    """
-    if not holds_lease(execution):
-        return Outcome(reply=False)
-    dispatch = execution.dispatch
-    assert dispatch is not None
-    tx = Tx(now)
-    execution = tx.track(execution)
-    status = advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.KERNEL_RESTARTED)
-    if status is DispatchStatus.PENDING:
-        requeued = dataclasses.replace(dispatch, status=status, next_attempt_at=now, locked_at=None)
-        execution = tx.put(dataclasses.replace(execution, dispatch=requeued))
-        tx.log(execution).dispatch(_T.DISPATCH_QUEUED, requeued, "pending")
-        tx.dispatch_due_at = now
-    else:
-        retired = dataclasses.replace(dispatch, attempt=dispatch.attempt + 1)
-        tx.put(dataclasses.replace(execution, dispatch=retired))
-    return tx.outcome(True)
-
-
-# -- approvals -----------------------------------------------------------------
-
-
-class ApprovalChoice(enum.Enum):
-    GRANT = "grant"
-    DENY = "deny"
-
-
-def decide_approval(
-    *,
-    approval: Approval,
-    execution: Execution,
-    step: Step,
-    choice: ApprovalChoice,
-    decided_by: str,
-    rationale: str,
-    new_id: NewId,
-    now: float,
-    settings: DispatchSettings,
-) -> Outcome[None]:
-    """A human grants or denies a pending approval.
-
-    The approval releases only the step it was created for: that step id (so
-    those exact canonical arguments) in that execution, under that rule. Grant:
-    the step becomes `allowed` and runs once when resubmitted. Deny: the step is
-    denied with the human's rationale. Either way the execution resumes with a
-    new dispatch. A decider outside a non-empty `approvers` list gets `403`; an
-    approval no longer pending gets `409`; neither changes anything.
-    """
-    if approval.status is not ApprovalStatus.PENDING:
-        return Outcome(
-            reply=Refusal(ErrorCode.CONFLICT, f"approval is already {approval.status.value}")
-        )
-    if approval.approvers and decided_by not in approval.approvers:
-        who = repr(decided_by) if decided_by else "an anonymous caller"
-        return Outcome(
-            reply=Refusal(
-                ErrorCode.FORBIDDEN,
-                f"{who} may not decide this approval; approvers: {', '.join(approval.approvers)}",
-            )
-        )
-    if (
-        step.step_id != approval.step_id
-        or step.execution_id != approval.execution_id
-        or step.approval_id != approval.id
-        or execution.id != approval.execution_id
-        or execution.status is not ExecutionStatus.BLOCKED
-    ):
-        return Outcome(
-            reply=Refusal(ErrorCode.CONFLICT, "approval no longer matches a blocked step")
-        )
-    tx = Tx(now)
-    execution = tx.track(execution)
-    log = tx.log(execution)
-    if choice is ApprovalChoice.GRANT:
-        approval = tx.put_approval(
-            dataclasses.replace(
-                approval,
-                status=advance(APPROVAL_TRANSITIONS, approval.status, ApprovalTrigger.GRANTED),
-                decided_by=decided_by,
-                decided_at=now,
-                rationale=rationale,
-            )
-        )
-        step = tx.put_step(
-            dataclasses.replace(
-                step,
-                status=advance(STEP_TRANSITIONS, step.status, StepTrigger.APPROVAL_GRANTED),
-            )
-        )
-        log.approval(_T.APPROVAL_GRANTED, approval)
-        log.step(_T.STEP_ALLOWED, step, rule_id=step.rule_id)
-    else:
-        tx.refuse_approval(
-            approval,
-            step,
-            ApprovalTrigger.DENIED,
-            rationale=rationale,
-            decided_by=decided_by,
-            step_reason=rationale or "approval_denied",
-        )
-    _resume(tx, execution, new_id, settings)
-    return tx.outcome(None)
-
-
-def expire_approval(
-    *,
-    approval: Approval,
-    execution: Execution,
-    step: Step,
-    new_id: NewId,
-    now: float,
-    settings: DispatchSettings,
-) -> Outcome[bool]:
-    """A pending approval past its timeout expires: the step is denied
-    (`approval_timeout`) and the execution resumes."""
-    if (
-        approval.status is not ApprovalStatus.PENDING
-        or now < approval.timeout_at
-        or execution.status is not ExecutionStatus.BLOCKED
-        or step.approval_id != approval.id
-    ):
-        return Outcome(reply=False)
-    tx = Tx(now)
-    execution = tx.track(execution)
-    tx.log(execution)
-    tx.refuse_approval(
-        approval,
-        step,
-        ApprovalTrigger.EXPIRED,
-        rationale="timeout",
-        decided_by="",
-        step_reason="approval_timeout",
-    )
-    _resume(tx, execution, new_id, settings)
-    return tx.outcome(True)
-
-
-def _resume(tx: Tx, execution: Execution, new_id: NewId, settings: DispatchSettings) -> None:
-    resumed = tx.put(
-        dataclasses.replace(
-            execution,
-            status=advance(
-                EXECUTION_TRANSITIONS, execution.status, ExecutionTrigger.APPROVAL_RESOLVED
-            ),
-            updated_at=tx.now,
-        )
-    )
-    tx.log(resumed).execution(_T.EXECUTION_RESUMED, resumed)
-    tx.enqueue(resumed, new_id, settings)
 
 
 # -- sessions ------------------------------------------------------------------

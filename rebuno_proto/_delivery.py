@@ -1,0 +1,240 @@
+"""Dispatch lifecycle rules (PROTOCOL.md §6.3), pure: claim a due dispatch,
+record how its webhook POST went, re-queue it when its lease lapses, and retire
+every lease at a kernel start."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Final
+
+from ._dispatch import (
+    DispatchSettings,
+    backoff_delay,
+    renew_lease,
+)
+from ._events import EventType
+from ._outcome import Outcome
+from ._records import Execution, Lease
+from ._state import (
+    DISPATCH_TRANSITIONS,
+    DispatchStatus,
+    DispatchTrigger,
+    ExecutionStatus,
+    ExecutionTrigger,
+    advance,
+)
+from ._tx import NewId, SessionView, Tx
+
+__all__ = [
+    "Delivery",
+    "claim_dispatch",
+    "holds_lease",
+    "lease_lapsed",
+    "reclaim_lease",
+    "record_delivery",
+    "retire_lease_after_restart",
+]
+
+_T: Final = EventType
+_CLAIMABLE: Final = (DispatchStatus.PENDING, DispatchStatus.FAILED)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delivery:
+    """A claimed dispatch to deliver: POST the webhook for this lease."""
+
+    execution_id: str
+    agent_id: str
+    dispatch_id: str
+    attempt: int
+
+    def lease(self) -> Lease:
+        return Lease(dispatch_id=self.dispatch_id, attempt=self.attempt)
+
+
+def claim_dispatch(
+    *,
+    execution: Execution,
+    session: SessionView,
+    new_id: NewId,
+    now: float,
+    settings: DispatchSettings,
+) -> Outcome[Delivery | None]:
+    """Claim the execution's dispatch if it is due: attempt + 1, `in_flight`,
+    occurrence counters cleared. Past `max_attempts` the execution fails
+    `dispatch_exhausted`; a terminal execution's dispatch is discarded."""
+    dispatch = execution.dispatch
+    if dispatch is None or dispatch.status not in _CLAIMABLE or dispatch.next_attempt_at > now:
+        return Outcome(reply=None)
+    tx = Tx(now)
+    execution = tx.track(execution)
+    if execution.status.is_terminal or dispatch.attempt + 1 > dispatch.max_attempts:
+        refused = dataclasses.replace(
+            dispatch,
+            status=advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.CLAIM_REFUSED),
+        )
+        execution = tx.put(dataclasses.replace(execution, dispatch=refused))
+        if execution.status.is_terminal:
+            tx.log(execution).dispatch(_T.DISPATCH_DISCARDED, refused, "exhausted")
+        else:
+            tx.finish(
+                execution,
+                ExecutionTrigger.DISPATCH_EXHAUSTED,
+                session=session,
+                pending=(),
+                new_id=new_id,
+                settings=settings,
+                reason="dispatch_exhausted",
+            )
+        return tx.outcome(None)
+    claimed = dataclasses.replace(
+        dispatch,
+        status=advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.CLAIMED),
+        attempt=dispatch.attempt + 1,
+        locked_at=now,
+    )
+    tx.put(dataclasses.replace(execution, dispatch=claimed))
+    tx.cleared_counters.append(execution.id)
+    return tx.outcome(
+        Delivery(
+            execution_id=execution.id,
+            agent_id=execution.agent_id,
+            dispatch_id=claimed.id,
+            attempt=claimed.attempt,
+        )
+    )
+
+
+def record_delivery(
+    *,
+    execution: Execution,
+    lease: Lease,
+    is_acked: bool,
+    jitter: float,
+    session: SessionView,
+    new_id: NewId,
+    now: float,
+    settings: DispatchSettings,
+) -> Outcome[None]:
+    """Record how a webhook POST went. 2xx: `dispatch.acked`, the lease stays
+    held. Otherwise `dispatch.failed`, and a retry after backoff -- or, on the
+    last allowed attempt, the execution fails `dispatch_exhausted`. A result
+    for a lease that is no longer current changes nothing."""
+    dispatch = execution.dispatch
+    if (
+        execution.status.is_terminal
+        or dispatch is None
+        or dispatch.status is not DispatchStatus.IN_FLIGHT
+        or dispatch.lease() != lease
+    ):
+        return Outcome(reply=None)
+    tx = Tx(now)
+    execution = tx.track(execution)
+    if is_acked:
+        advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.DELIVERY_ACKED)
+        execution = tx.put(renew_lease(execution, now, always=True))
+        tx.log(execution).dispatch(_T.DISPATCH_ACKED, dispatch, "acked")
+        return tx.outcome(None)
+    if dispatch.attempt >= dispatch.max_attempts:
+        failed = dataclasses.replace(
+            dispatch,
+            status=advance(
+                DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.DELIVERY_EXHAUSTED
+            ),
+        )
+        execution = tx.put(dataclasses.replace(execution, dispatch=failed))
+        tx.log(execution).dispatch(_T.DISPATCH_FAILED, failed, "failed")
+        tx.finish(
+            execution,
+            ExecutionTrigger.DISPATCH_EXHAUSTED,
+            session=session,
+            pending=(),
+            new_id=new_id,
+            settings=settings,
+            reason="dispatch_exhausted",
+        )
+        return tx.outcome(None)
+    due = now + backoff_delay(dispatch.attempt, jitter, settings)
+    failed = dataclasses.replace(
+        dispatch,
+        status=advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.DELIVERY_FAILED),
+        next_attempt_at=due,
+        locked_at=None,
+    )
+    execution = tx.put(dataclasses.replace(execution, dispatch=failed))
+    tx.log(execution).dispatch(_T.DISPATCH_FAILED, failed, "failed")
+    tx.dispatch_due_at = due
+    return tx.outcome(None)
+
+
+def lease_lapsed(execution: Execution, now: float, settings: DispatchSettings) -> bool:
+    """Whether the execution's in-flight lease has not been renewed for a lease timeout."""
+    dispatch = execution.dispatch
+    return (
+        dispatch is not None
+        and dispatch.status is DispatchStatus.IN_FLIGHT
+        and dispatch.locked_at is not None
+        and now - dispatch.locked_at >= settings.lease_timeout_s
+    )
+
+
+def reclaim_lease(*, execution: Execution, now: float, settings: DispatchSettings) -> Outcome[bool]:
+    """The reaper: an in-flight dispatch whose lease lapsed goes back to the
+    queue, due now, attempt unchanged; the next claim re-delivers the same
+    dispatch id with attempt + 1 (`dispatch.queued` records it)."""
+    if not lease_lapsed(execution, now, settings) or execution.status.is_terminal:
+        return Outcome(reply=False)
+    dispatch = execution.dispatch
+    assert dispatch is not None
+    tx = Tx(now)
+    requeued = dataclasses.replace(
+        dispatch,
+        status=advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.LEASE_LAPSED),
+        next_attempt_at=now,
+        locked_at=None,
+    )
+    execution = tx.put(dataclasses.replace(tx.track(execution), dispatch=requeued))
+    tx.log(execution).dispatch(_T.DISPATCH_QUEUED, requeued, "pending")
+    tx.dispatch_due_at = now
+    return tx.outcome(True)
+
+
+def holds_lease(execution: Execution) -> bool:
+    """Whether some agent may still act under a lease of this execution: an
+    in-flight dispatch, or one retired by the execution's own block."""
+    dispatch = execution.dispatch
+    if dispatch is None or execution.status.is_terminal:
+        return False
+    return dispatch.status is DispatchStatus.IN_FLIGHT or (
+        dispatch.status is DispatchStatus.EXHAUSTED and execution.status is ExecutionStatus.BLOCKED
+    )
+
+
+def retire_lease_after_restart(*, execution: Execution, now: float) -> Outcome[bool]:
+    """A kernel (re)start retires every lease granted before it.
+
+    The occurrence counters of a dispatch attempt live only in the kernel's
+    memory (they reset at every claim anyway), so after a restart no earlier
+    attempt may submit again: an in-flight dispatch is re-queued at once (the
+    next claim re-delivers it with attempt + 1 and a fresh count; the old
+    handler gets `lease_superseded`), and a dispatch retired by a block moves to
+    a new attempt so its lease no longer matches. A crashed kernel's runs are
+    re-dispatched immediately instead of after a lease timeout.
+    """
+    if not holds_lease(execution):
+        return Outcome(reply=False)
+    dispatch = execution.dispatch
+    assert dispatch is not None
+    tx = Tx(now)
+    execution = tx.track(execution)
+    status = advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.KERNEL_RESTARTED)
+    if status is DispatchStatus.PENDING:
+        requeued = dataclasses.replace(dispatch, status=status, next_attempt_at=now, locked_at=None)
+        execution = tx.put(dataclasses.replace(execution, dispatch=requeued))
+        tx.log(execution).dispatch(_T.DISPATCH_QUEUED, requeued, "pending")
+        tx.dispatch_due_at = now
+    else:
+        retired = dataclasses.replace(dispatch, attempt=dispatch.attempt + 1)
+        tx.put(dataclasses.replace(execution, dispatch=retired))
+    return tx.outcome(True)
