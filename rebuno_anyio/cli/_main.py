@@ -75,6 +75,31 @@ def _kernel_options(fn: Any) -> Any:
             help="Webhook delivery attempts before an execution fails dispatch_exhausted.",
         ),
         click.option(
+            "--claim-interval",
+            default=2.0,
+            show_default=True,
+            type=click.FloatRange(min=0.01),
+            callback=_finite,
+            help="Longest the dispatcher waits between looks for due work "
+            "(new work wakes it at once).",
+        ),
+        click.option(
+            "--backoff-base",
+            default=1.0,
+            show_default=True,
+            type=click.FloatRange(min=0.0),
+            callback=_finite,
+            help="Seconds before the first re-delivery after a failed webhook; doubles each time.",
+        ),
+        click.option(
+            "--backoff-max",
+            default=30.0,
+            show_default=True,
+            type=click.FloatRange(min=0.0),
+            callback=_finite,
+            help="Longest wait between delivery attempts (plus up to 25% jitter).",
+        ),
+        click.option(
             "--synchronous",
             type=click.Choice(["FULL", "NORMAL"], case_sensitive=False),
             default="FULL",
@@ -128,9 +153,16 @@ def _config(
     port: int,
     lease_timeout: float,
     max_attempts: int,
+    claim_interval: float,
+    backoff_base: float,
+    backoff_max: float,
     synchronous: str,
     **extra: Any,
 ) -> KernelConfig:
+    if backoff_max < backoff_base:
+        raise click.UsageError(
+            f"--backoff-max ({backoff_max}) must be at least --backoff-base ({backoff_base})"
+        )
     try:
         agents = tuple(load_manifest(config)) if config else ()
     except ManifestError as err:
@@ -149,7 +181,13 @@ def _config(
         port=port,
         synchronous=synchronous.upper(),
         agents=agents,
-        settings=DispatchSettings(lease_timeout_s=lease_timeout, max_attempts=max_attempts),
+        settings=DispatchSettings(
+            lease_timeout_s=lease_timeout,
+            max_attempts=max_attempts,
+            backoff_base_s=backoff_base,
+            backoff_max_s=backoff_max,
+        ),
+        poll_interval_s=claim_interval,
         **extra,
     )
 
