@@ -320,6 +320,7 @@ AID = "{aid}"
 ROUTES: list[tuple[str, str, str]] = [
     ("GET", "/v0/health", "open"),
     ("GET", "/v0/ready", "open"),
+    ("GET", "/metrics", "open"),
     ("GET", f"/v0/executions/{EID}", "dual"),
     ("GET", f"/v0/executions/{EID}/previous", "dual"),
     ("GET", f"/v0/executions/{EID}/steps", "dual"),
@@ -386,6 +387,23 @@ async def test_health_and_ready(h: Harness) -> None:
     assert ok(await h.call("GET", "/v0/ready", token=None)) == {"status": "ready"}
     head = await h.call("HEAD", "/v0/health", token=None)
     assert head.status == 200
+
+
+async def test_metrics_count_events_and_requests(secured: Harness) -> None:
+    await secured.register()
+    execution_id, lease = await secured.running()
+    await secured.proceed(execution_id, lease)
+    await secured.call("GET", "/v0/nothing")
+    reply = await secured.call("GET", "/metrics", token=None)  # open, like health
+    assert reply.status == 200
+    assert dict(reply.headers)["content-type"].startswith("text/plain")
+    text = reply.body.decode()
+    assert 'rebuno_events_total{type="execution.created"} 1.0' in text
+    assert 'rebuno_events_total{type="step.executing"} 1.0' in text
+    assert 'rebuno_http_requests_total{route="unmatched",status="404"} 1.0' in text
+    assert 'route="POST /v0/executions/{}/steps",status="200"' in text
+    assert 'rebuno_http_request_seconds_count{route="POST /v0/executions/{}/steps"} 1.0' in text
+    assert 'rebuno_store_commands_total{outcome="ok"}' in text
 
 
 async def test_ready_is_503_when_the_store_is_gone(h: Harness) -> None:

@@ -14,6 +14,7 @@ an agent when `Rebuno-Agent-Id` or `Rebuno-Signature` is present, else bearer).
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -61,6 +62,7 @@ from rebuno_proto._encode import (
 from rebuno_proto._jsonout import RawJSON
 
 from .._http import Request, Response
+from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ._service import Kernel
 
 __all__ = ["KernelAPI", "PolicyLoader"]
@@ -106,6 +108,11 @@ class _Route:
     pattern: tuple[str, ...]
     auth: str  # open | bearer | hmac | dual
     handler: _Handler
+
+    @property
+    def name(self) -> str:
+        """`METHOD /v0/executions/{}/steps`: the route pattern, for metrics."""
+        return self.method + " /" + "/".join("{}" if p == "*" else p for p in self.pattern)
 
     def match(self, segments: list[str]) -> list[str] | None:
         if len(segments) != len(self.pattern):
@@ -227,6 +234,12 @@ class KernelAPI:
             self._paths.setdefault(len(route.pattern), []).append(route)
 
     async def __call__(self, request: Request) -> Response:
+        started = time.perf_counter()
+        route, response = await self._dispatch(request)
+        self.kernel.metrics.request(route, response.status, time.perf_counter() - started)
+        return response
+
+    async def _dispatch(self, request: Request) -> tuple[str, Response]:
         segments = [unquote(s) for s in request.path.strip("/").split("/")]
         method = "GET" if request.method == "HEAD" else request.method
         for route in self._by_shape.get((method, len(segments)), ()):
@@ -235,16 +248,18 @@ class KernelAPI:
                 continue
             try:
                 caller = await self._authenticate(route.auth, request)
-                return await route.handler(self, request, caller, params)
+                return route.name, await route.handler(self, request, caller, params)
             except _Fail as fail:
-                return _error(fail.refusal)
+                return route.name, _error(fail.refusal)
             except MessageError as err:
-                return _error(Refusal(ErrorCode.VALIDATION_ERROR, str(err)))
+                return route.name, _error(Refusal(ErrorCode.VALIDATION_ERROR, str(err)))
         if any(r.match(segments) is not None for r in self._paths.get(len(segments), ())):
-            return _error(
+            return "unmatched", _error(
                 Refusal(ErrorCode.METHOD_NOT_ALLOWED, f"{request.method} is not allowed here")
             )
-        return _error(Refusal(ErrorCode.NOT_FOUND, f"no route for {request.method} {request.path}"))
+        return "unmatched", _error(
+            Refusal(ErrorCode.NOT_FOUND, f"no route for {request.method} {request.path}")
+        )
 
     # -- authentication ------------------------------------------------------------------------
 
@@ -304,6 +319,11 @@ class KernelAPI:
     @_route("GET", "/v0/health", "open")
     async def health(self, request: Request, caller: _Caller, params: list[str]) -> Response:
         return _ok(b'{"status":"ok"}')
+
+    @_route("GET", "/metrics", "open")
+    async def metrics(self, request: Request, caller: _Caller, params: list[str]) -> Response:
+        body = self.kernel.metrics.exposition()
+        return Response(200, body, (("content-type", METRICS_CONTENT_TYPE),))
 
     @_route("GET", "/v0/ready", "open")
     async def ready(self, request: Request, caller: _Caller, params: list[str]) -> Response:

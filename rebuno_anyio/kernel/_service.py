@@ -67,6 +67,7 @@ from rebuno_proto import (
 from .._ids import uuid7
 from ..policy import PolicyHook
 from ..store import Store, Tx
+from ._metrics import KernelMetrics
 
 __all__ = ["Kernel"]
 
@@ -111,6 +112,7 @@ class Kernel:
         self.new_id = new_id
         self.jitter = jitter
         self.policy = policy
+        self.metrics = KernelMetrics()
         self._agents: dict[str, Agent] = {}
         self._agent_writes = 0  # agent writes completed (tells a read its value is stale)
         self._event_waiters: dict[str, anyio.Event] = {}
@@ -128,7 +130,12 @@ class Kernel:
                 tx.apply(outcome.change)
             return outcome
 
-        outcome = await self.store.run(run)
+        try:
+            outcome = await self.store.run(run)
+        except Exception:
+            self.metrics.command(ok=False)
+            raise
+        self.metrics.command(ok=True)
         self._after_commit(outcome)
         return outcome.reply
 
@@ -175,6 +182,7 @@ class Kernel:
         if outcome.timer_due_at is not None:
             self.on_timer_due(outcome.timer_due_at)
         if outcome.change.events:
+            self.metrics.committed(outcome.change.events)
             for execution_id in {e.execution_id for e in outcome.change.events}:
                 waiter = self._event_waiters.pop(execution_id, None)
                 if waiter is not None:
