@@ -12,17 +12,21 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 STARTUP_S = 30.0
+
+P = TypeVar("P", bound="Proc")
 
 
 class Proc:
@@ -87,8 +91,17 @@ class Proc:
         # the pipes close (an unclosed pipe is a ResourceWarning, an error here).
         for pump in self._pumps:
             pump.join(timeout=10)
+        if any(p.is_alive() for p in self._pumps):
+            return
+        while True:  # keep what the process said last
+            try:
+                line = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if line is not None:
+                self.lines.append(line)
         for stream in (self.popen.stdout, self.popen.stderr):
-            if stream is not None and not any(p.is_alive() for p in self._pumps):
+            if stream is not None:
                 stream.close()
 
     def kill(self) -> None:
@@ -211,3 +224,31 @@ class AgentProc(Proc):
         self.base = match.group(1)
         self.port = int(match.group(2))
         self.webhook_url = self.base + (match.group(3) or "/webhook")
+
+
+def reap(proc: Proc, *, graceful: bool = False) -> int:
+    """Stop (SIGTERM, if `graceful`) or kill `proc`, wait, close its pipes.
+
+    Returns:
+        The exit status; everything the process printed is in `proc.lines`.
+    """
+    if graceful:
+        return proc.stop()
+    proc.kill()
+    return proc.popen.returncode
+
+
+@contextmanager
+def running(proc: P) -> Iterator[P]:
+    """`with running(AgentProc(...)) as agent:` -- killed and reaped on exit."""
+    try:
+        yield proc
+    finally:
+        reap(proc)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (bound to 0, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

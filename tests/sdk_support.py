@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import json
-import queue
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,7 +20,6 @@ from typing import Any
 import anyio
 import httpx
 from kernels import InProcessKernel
-from procs import Proc
 
 from rebuno_anyio import Agent, Client
 from rebuno_anyio._http import Request, Response
@@ -185,30 +182,3 @@ async def events(client: Client, execution_id: str) -> list[Event]:
 def attempts(log: list[Event], kind: str = "dispatch.acked") -> list[int]:
     """The `attempt` of each dispatch event of `kind`, in order."""
     return [int(e.payload["attempt"]) for e in log if e.type == kind]
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (bound to 0, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def reap(proc: Proc) -> None:
-    """Kill `proc` and close its pipes once its reader threads reached their end.
-
-    `procs.Proc` never closes the pipes, and with warnings as errors an unclosed
-    pipe found by the garbage collector would fail a later test.
-    """
-    proc.kill()
-    ends = 0
-    while ends < 2:
-        try:
-            line = proc._queue.get(timeout=10)
-        except queue.Empty:
-            break
-        if line is None:
-            ends += 1
-    for stream in (proc.popen.stdout, proc.popen.stderr):
-        if stream is not None:
-            stream.close()

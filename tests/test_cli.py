@@ -24,9 +24,8 @@ import anyio
 import anyio.to_thread
 import click
 import pytest
-from agents._procs import reap, running
 from click.testing import CliRunner, Result
-from procs import PYTHON, ROOT, AgentProc, Kernel, Proc
+from procs import PYTHON, ROOT, AgentProc, Kernel, Proc, reap, running
 
 from rebuno_anyio import Client
 from rebuno_anyio.cli._main import cli as rebuno_cli

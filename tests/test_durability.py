@@ -19,8 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from agents._procs import reap, running
-from procs import PYTHON, ROOT, AgentProc, Kernel
+from procs import PYTHON, ROOT, AgentProc, Kernel, reap, running
 
 SCRIPT = Path(__file__).resolve().parent / "agents" / "counter_agent.py"
 SECRET = "durable-secret"

@@ -19,9 +19,8 @@ from typing import Any
 
 import anyio
 import pytest
-from agents._procs import reap, running
 from kernels import inprocess_kernel
-from procs import AgentProc, Kernel
+from procs import AgentProc, Kernel, reap, running
 
 from rebuno_anyio import Agent, Client, step, tool
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 import anyio
 import pytest
-from procs import ROOT, AgentProc, Kernel, Proc
+from procs import ROOT, AgentProc, Kernel, Proc, reap
 
 from rebuno_anyio import Client, ForbiddenError
 
@@ -98,27 +97,6 @@ rules:
 
 
 # -- processes and helpers ------------------------------------------------------------
-
-
-def reap(proc: Proc) -> int:
-    """Kill the process if it still runs, wait, and close its pipes (warnings
-    are errors: an unclosed pipe found by the collector fails a later test)."""
-    if proc.popen.poll() is None:
-        proc.kill()
-    ends, deadline = 0, time.monotonic() + 10
-    while ends < 2 and time.monotonic() < deadline:
-        try:
-            line = proc._queue.get(timeout=max(0.01, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if line is None:
-            ends += 1
-        else:
-            proc.lines.append(line)
-    for stream in (proc.popen.stdout, proc.popen.stderr):
-        if stream is not None:
-            stream.close()
-    return proc.popen.wait()
 
 
 @pytest.fixture(params=["asyncio", "trio"])

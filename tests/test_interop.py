@@ -19,9 +19,8 @@ from typing import Any
 import anyio
 import pytest
 import rebuno
-from agents._procs import free_port, reap, running
 from kernels import inprocess_kernel
-from procs import PYTHON, Kernel, Proc
+from procs import PYTHON, Kernel, Proc, free_port, reap, running
 
 from rebuno_anyio import Agent, Client, step, tool
 

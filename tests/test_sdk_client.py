@@ -13,8 +13,8 @@ from typing import Any
 import anyio
 import pytest
 from kernels import inprocess_kernel
-from procs import Kernel
-from sdk_support import AGENT_ID, reap, served
+from procs import Kernel, reap
+from sdk_support import AGENT_ID, served
 
 from rebuno_anyio import (
     Client,

@@ -27,8 +27,8 @@ import hypercorn.typing
 import pytest
 import uvicorn
 from kernels import inprocess_kernel
-from procs import AgentProc, Kernel
-from sdk_support import AGENT_ID, SECRET, free_port, reap
+from procs import AgentProc, Kernel, free_port, reap
+from sdk_support import AGENT_ID, SECRET
 
 from rebuno_anyio import Agent, Client, execution, step, tool
 
