@@ -53,6 +53,21 @@ class Delivery:
         return Lease(dispatch_id=self.dispatch_id, attempt=self.attempt)
 
 
+def _exhausted(
+    tx: Tx, execution: Execution, session: SessionView, new_id: NewId, settings: DispatchSettings
+) -> None:
+    """The execution fails `dispatch_exhausted`: no attempt is left."""
+    tx.finish(
+        execution,
+        ExecutionTrigger.DISPATCH_EXHAUSTED,
+        session=session,
+        pending=(),
+        new_id=new_id,
+        settings=settings,
+        reason="dispatch_exhausted",
+    )
+
+
 def claim_dispatch(
     *,
     execution: Execution,
@@ -78,15 +93,7 @@ def claim_dispatch(
         if execution.status.is_terminal:
             tx.log(execution).dispatch(_T.DISPATCH_DISCARDED, refused, "exhausted")
         else:
-            tx.finish(
-                execution,
-                ExecutionTrigger.DISPATCH_EXHAUSTED,
-                session=session,
-                pending=(),
-                new_id=new_id,
-                settings=settings,
-                reason="dispatch_exhausted",
-            )
+            _exhausted(tx, execution, session, new_id, settings)
         return tx.outcome(None)
     claimed = dataclasses.replace(
         dispatch,
@@ -145,15 +152,7 @@ def record_delivery(
         )
         execution = tx.put(dataclasses.replace(execution, dispatch=failed))
         tx.log(execution).dispatch(_T.DISPATCH_FAILED, failed, "failed")
-        tx.finish(
-            execution,
-            ExecutionTrigger.DISPATCH_EXHAUSTED,
-            session=session,
-            pending=(),
-            new_id=new_id,
-            settings=settings,
-            reason="dispatch_exhausted",
-        )
+        _exhausted(tx, execution, session, new_id, settings)
         return tx.outcome(None)
     due = now + backoff_delay(dispatch.attempt, jitter, settings)
     failed = dataclasses.replace(
