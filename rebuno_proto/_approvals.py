@@ -62,6 +62,9 @@ def decide_approval(
         return Outcome(
             reply=Refusal(ErrorCode.CONFLICT, f"approval is already {approval.status.value}")
         )
+    if now >= approval.timeout_at:
+        # Its timeout passed; the expiry timer is about to record it.
+        return Outcome(reply=Refusal(ErrorCode.CONFLICT, "approval has expired"))
     if approval.approvers and decided_by not in approval.approvers:
         who = repr(decided_by) if decided_by else "an anonymous caller"
         return Outcome(

@@ -178,7 +178,9 @@ class Document:
     def integer(self, node: Any) -> int | None:
         """A number node written as a plain integer literal, as an `int`."""
         text = self.number_text(node)
-        if text is None or not re.fullmatch(r"-?[0-9]+", text):
+        # Past 20 digits it is no count or id the protocol has, and Python
+        # refuses to convert past 4300: either way, not an integer we accept.
+        if text is None or len(text) > 20 or not re.fullmatch(r"-?[0-9]+", text):
             return None
         return int(text)
 
@@ -187,7 +189,9 @@ class Document:
         if self.is_number(node):
             text = self.number_text(node)
             assert text is not None
-            return int(text) if re.fullmatch(r"-?[0-9]+", text) else float(text)
+            if len(text) <= 4000 and re.fullmatch(r"-?[0-9]+", text):
+                return int(text)
+            return float(text)  # beyond float range this is +-inf, never an error
         if isinstance(node, str):
             return node if node.isascii() else _SURROGATE.sub("\ufffd", node)
         if isinstance(node, dict):

@@ -200,26 +200,29 @@ def reclaim_lease(*, execution: Execution, now: float, settings: DispatchSetting
 
 
 def holds_lease(execution: Execution) -> bool:
-    """Whether some agent may still act under a lease of this execution: an
-    in-flight dispatch, or one retired by the execution's own block."""
+    """Whether some agent may still act under a lease of this execution -- or
+    might after a crash: its dispatch is in flight, queued, waiting to retry, or
+    retired by the execution's own block."""
     dispatch = execution.dispatch
     if dispatch is None or execution.status.is_terminal:
         return False
-    return dispatch.status is DispatchStatus.IN_FLIGHT or (
-        dispatch.status is DispatchStatus.EXHAUSTED and execution.status is ExecutionStatus.BLOCKED
-    )
+    if dispatch.status is DispatchStatus.EXHAUSTED:
+        return execution.status is ExecutionStatus.BLOCKED
+    return True
 
 
 def retire_lease_after_restart(*, execution: Execution, now: float) -> Outcome[bool]:
-    """A kernel (re)start retires every lease granted before it.
+    """A kernel start after a crash retires every lease granted before it.
 
-    The occurrence counters of a dispatch attempt live only in the kernel's
-    memory (they reset at every claim anyway), so after a restart no earlier
-    attempt may submit again: an in-flight dispatch is re-queued at once (the
-    next claim re-delivers it with attempt + 1 and a fresh count; the old
-    handler gets `lease_superseded`), and a dispatch retired by a block moves to
-    a new attempt so its lease no longer matches. A crashed kernel's runs are
-    re-dispatched immediately instead of after a lease timeout.
+    The occurrence counters of a dispatch attempt live in the kernel's memory
+    (every claim resets them anyway), so after a crash no earlier attempt may
+    submit again. An in-flight dispatch is re-queued at once: the next claim
+    re-delivers it with attempt + 1 and a fresh count, and the old handler gets
+    `lease_superseded`. A queued or retrying dispatch, and one retired by a
+    block, move to a new attempt, so no lease handed out before -- not even a
+    claim whose commit the crash lost -- can ever match again. None of this
+    spends the delivery budget: `max_attempts` grows with the attempt. (After a
+    clean shutdown the counters are saved and restored, and nothing is retired.)
     """
     if not holds_lease(execution):
         return Outcome(reply=False)
@@ -228,12 +231,22 @@ def retire_lease_after_restart(*, execution: Execution, now: float) -> Outcome[b
     tx = Tx(now)
     execution = tx.track(execution)
     status = advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.KERNEL_RESTARTED)
-    if status is DispatchStatus.PENDING:
-        requeued = dataclasses.replace(dispatch, status=status, next_attempt_at=now, locked_at=None)
+    if dispatch.status is DispatchStatus.IN_FLIGHT:
+        requeued = dataclasses.replace(
+            dispatch,
+            status=status,
+            next_attempt_at=now,
+            locked_at=None,
+            max_attempts=dispatch.max_attempts + 1,
+        )
         execution = tx.put(dataclasses.replace(execution, dispatch=requeued))
         tx.log(execution).dispatch(_T.DISPATCH_QUEUED, requeued, "pending")
         tx.dispatch_due_at = now
     else:
-        retired = dataclasses.replace(dispatch, attempt=dispatch.attempt + 1)
+        retired = dataclasses.replace(
+            dispatch, attempt=dispatch.attempt + 1, max_attempts=dispatch.max_attempts + 1
+        )
         tx.put(dataclasses.replace(execution, dispatch=retired))
+        if status is not DispatchStatus.EXHAUSTED:
+            tx.dispatch_due_at = now
     return tx.outcome(True)

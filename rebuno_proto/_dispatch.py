@@ -51,11 +51,11 @@ class DispatchSettings:
     backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not self.lease_timeout_s > 0:
-            raise ValueError("lease_timeout_s must be positive")
+        if not 0 < self.lease_timeout_s < float("inf"):
+            raise ValueError("lease_timeout_s must be positive and finite")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:
+        if not 0 <= self.backoff_base_s <= self.backoff_max_s < float("inf"):
             raise ValueError("need 0 <= backoff_base_s <= backoff_max_s")
 
 

@@ -182,10 +182,12 @@ DISPATCH_TRANSITIONS: Final[Mapping[tuple[DispatchStatus, DispatchTrigger], Disp
     (_D.IN_FLIGHT, _DT.RELEASED): _D.EXHAUSTED,
     (_D.FAILED, _DT.RELEASED): _D.EXHAUSTED,
     (_D.EXHAUSTED, _DT.RELEASED): _D.EXHAUSTED,
-    # A restart retires every lease: an in-flight dispatch is re-queued (the next
-    # claim re-delivers it with attempt + 1); the dispatch a block retired moves
-    # to a new attempt, so its old lease stops matching.
+    # A restart after a crash retires every lease: an in-flight dispatch is
+    # re-queued (the next claim re-delivers it with attempt + 1); a queued one
+    # and one a block retired move to a new attempt, so no old lease matches.
     (_D.IN_FLIGHT, _DT.KERNEL_RESTARTED): _D.PENDING,
+    (_D.PENDING, _DT.KERNEL_RESTARTED): _D.PENDING,
+    (_D.FAILED, _DT.KERNEL_RESTARTED): _D.FAILED,
     (_D.EXHAUSTED, _DT.KERNEL_RESTARTED): _D.EXHAUSTED,
 }
 

@@ -245,6 +245,8 @@ class Tx:
                 )
             )
         )
+        # Its occurrence counters can never be used again: let the store drop them.
+        self.cleared_counters.append(execution.id)
         log = self.log(execution)
         if status is ExecutionStatus.COMPLETED:
             log.completed(execution)

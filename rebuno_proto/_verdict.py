@@ -28,7 +28,8 @@ class Verdict:
 
     Attributes:
         action: allow, deny or hold for approval.
-        rule_id: the matched rule (`""` when the default applied).
+        rule_id: the matched rule (`"default"` when the bundle's default applied,
+            `""` when there is no bundle).
         reason: why, for a denial (defaults to `policy_denied` on the wire).
         approvers: who may decide an approval (empty: anyone).
         approval_timeout_s: how long an approval waits before it expires.

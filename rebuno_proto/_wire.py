@@ -49,6 +49,8 @@ __all__ = [
 
 #: A streamed delta's `data` may be at most this many UTF-8 bytes (PROTOCOL §4.2).
 MAX_DELTA_BYTES: Final = 7000
+#: An execution's failure reason is kept to this many characters.
+MAX_REASON_CHARS: Final = 64 * 1024
 _MAX_NAME: Final = 1024
 _AGENT_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
@@ -115,7 +117,9 @@ class _Body:
             raise MessageError(name, "is required")
         if not self.doc.is_number(node):
             raise MessageError(name, f"must be a number, got {self._describe(node)}")
-        value = float(self.doc.plain(node))
+        text = self.doc.number_text(node)
+        assert text is not None
+        value = float(text)  # a literal too large for a float reads as inf
         if not value > 0 or value == float("inf"):
             raise MessageError(name, f"must be a positive number, got {value}")
         return value
@@ -267,9 +271,16 @@ class ExecutionFailure:
 
 
 def parse_execution_failure(data: bytes) -> ExecutionFailure:
-    """`POST /v0/executions/{id}/fail`: `{"error": string}` becomes the reason."""
+    """`POST /v0/executions/{id}/fail`: `{"error": string}` becomes the reason.
+
+    A reason longer than `MAX_REASON_CHARS` is cut, not refused: an agent whose
+    failure text is huge must still be able to fail its execution.
+    """
     body = _Body(data)
-    error = body.string("error", max_len=64 * 1024)
+    error = body.string("error", max_len=1 << 30)
+    if len(error) > MAX_REASON_CHARS:
+        cut = len(error) - MAX_REASON_CHARS
+        error = f"{error[:MAX_REASON_CHARS]}... [{cut} more characters]"
     return ExecutionFailure(error=error or "agent_error")
 
 

@@ -830,10 +830,10 @@ def test_repeated_identical_calls_differ_only_in_occurrence(
     assert again == ids
 
 
-# -- a kernel restart retires every lease --------------------------------------------
+# -- a kernel restart retires every lease ----------------------------------------------
 
 
-def test_restart_requeues_an_in_flight_dispatch_at_once() -> None:
+def test_restart_requeues_an_in_flight_dispatch_at_once_without_spending_an_attempt() -> None:
     ex = execution(dispatch_record=dispatch(attempt=3, locked_at=T0))
     assert holds_lease(ex)
     outcome = retire_lease_after_restart(execution=ex, now=T0 + 1)
@@ -843,12 +843,9 @@ def test_restart_requeues_an_in_flight_dispatch_at_once() -> None:
     assert (
         written.dispatch.status,
         written.dispatch.attempt,
+        written.dispatch.max_attempts,
         written.dispatch.next_attempt_at,
-    ) == (
-        DispatchStatus.PENDING,
-        3,
-        T0 + 1,
-    )
+    ) == (DispatchStatus.PENDING, 3, 6, T0 + 1)
     assert event_types(outcome.change) == ["dispatch.queued"]
     assert outcome.dispatch_due_at == T0 + 1
     # The old lease is superseded; the next claim re-delivers with attempt + 1.
@@ -862,6 +859,48 @@ def test_restart_requeues_an_in_flight_dispatch_at_once() -> None:
     )
     assert delivery is not None
     assert delivery.attempt == 4
+
+
+def test_restarts_never_exhaust_a_healthy_execution() -> None:
+    k = Kernel(DispatchSettings(max_attempts=2))
+    ex = k.create()
+    for _ in range(6):
+        k.start(ex.id)
+        k.commit(retire_lease_after_restart(execution=k.ex(ex.id), now=k.now))
+    assert k.ex(ex.id).status is ExecutionStatus.RUNNING
+    assert k.claim(ex.id) is not None
+
+
+@pytest.mark.parametrize("status", [DispatchStatus.PENDING, DispatchStatus.FAILED])
+def test_restart_moves_a_queued_dispatch_past_any_lease_a_lost_claim_handed_out(
+    status: DispatchStatus,
+) -> None:
+    # A claim (attempt 2) whose commit a crash lost: the store still says attempt 1.
+    ex = execution(dispatch_record=dispatch(attempt=1, status=status, locked_at=None))
+    lost = Lease(dispatch_id=DISPATCH_ID, attempt=2)
+    outcome = retire_lease_after_restart(execution=ex, now=T0)
+    (written,) = outcome.change.executions
+    assert written.dispatch is not None
+    assert (written.dispatch.status, written.dispatch.attempt, written.dispatch.max_attempts) == (
+        status,
+        2,
+        6,
+    )
+    assert outcome.change.events == ()
+    delivery = reply(
+        claim_dispatch(
+            execution=dataclasses.replace(
+                written, dispatch=dataclasses.replace(written.dispatch, next_attempt_at=T0)
+            ),
+            session=NO_SESSION,
+            new_id=no_ids,
+            now=T0,
+            settings=SETTINGS,
+        )
+    )
+    assert delivery is not None
+    assert delivery.lease() != lost  # never the same lease twice
+    assert delivery.attempt == 3
 
 
 def test_restart_moves_a_block_retired_dispatch_to_a_new_attempt() -> None:
@@ -878,6 +917,7 @@ def test_restart_moves_a_block_retired_dispatch_to_a_new_attempt() -> None:
     assert written.dispatch is not None
     assert (written.dispatch.status, written.dispatch.attempt) == (DispatchStatus.EXHAUSTED, 3)
     assert outcome.change.events == ()
+    assert outcome.dispatch_due_at is None
     assert lease_status(written, old, None) is LeaseStatus.SUPERSEDED
 
 
@@ -885,8 +925,6 @@ def test_restart_moves_a_block_retired_dispatch_to_a_new_attempt() -> None:
     "ex",
     [
         dataclasses.replace(execution(), dispatch=None),
-        execution(dispatch_record=dispatch(status=DispatchStatus.PENDING)),
-        execution(dispatch_record=dispatch(status=DispatchStatus.FAILED)),
         execution(
             status=ExecutionStatus.COMPLETED,
             dispatch_record=dispatch(status=DispatchStatus.EXHAUSTED),

@@ -773,3 +773,21 @@ def test_cancelling_a_queued_execution_admits_nobody() -> None:
     # When the active one ends, the slot passes on as usual.
     k.complete(active.id, k.start(active.id))
     assert k.ex(last.id).status is ExecutionStatus.RUNNING
+
+
+def test_a_human_cannot_decide_an_approval_past_its_timeout() -> None:
+    k = Kernel()
+    ex = k.create()
+    lease = k.start(ex.id)
+    k.submit(
+        ex.id,
+        lease,
+        submission(),
+        verdict=Verdict(action=Action.REQUIRE_APPROVAL, approval_timeout_s=60.0),
+    )
+    (approval,) = k.store.approvals.values()
+    k.now += 60.0
+    refused = k.decide(approval.id, ApprovalChoice.GRANT)
+    assert refused.reply == Refusal(ErrorCode.CONFLICT, "approval has expired")
+    assert refused.change.is_empty
+    assert reply(k.expire(approval.id)) is True

@@ -509,6 +509,14 @@ class StepLifecycle(RuleBasedStateMachine):
         (model,) = [m for m in self.steps.values() if m.status == "awaiting_approval"]
         assert model.approval_id is not None
         outcome: Outcome[Any]
+        approval = self.k.store.approvals[model.approval_id]
+        if how != "expire" and self.k.now >= approval.timeout_at:
+            # Past its timeout a human can no longer decide it (nothing changes);
+            # the expiry is what happens next.
+            refused = self.k.decide(model.approval_id, ApprovalChoice.GRANT, rationale=rationale)
+            assert refused.reply == Refusal(ErrorCode.CONFLICT, "approval has expired")
+            assert refused.change.is_empty
+            how = "expire"
         if how == "expire":
             self.k.now += 60.0
             outcome = self.k.expire(model.approval_id)
@@ -574,6 +582,9 @@ class StepLifecycle(RuleBasedStateMachine):
                 model.status = "cancelled"
                 model.error = '{"reason":"execution_cancelled"}'
         self.status = status
+        # A finished execution's occurrence counters are dropped: nothing can
+        # submit under it again (submissions get `execution_terminal`).
+        self.consumed = Counter()
 
     @precondition(lambda self: self.status in TERMINAL and self.lease is not None)
     @rule(effect=st.integers(0, len(EFFECTS) - 1))

@@ -2008,13 +2008,11 @@ async def test_sqlite_survives_reopen(tmp_path: Path, anyio_backend: str) -> Non
     reopened = await SQLiteStore.open(path)
     try:
         assert reopened.schema_version() == _latest_migration()
-        after = await reopened.run(_snapshot)
-        # Occurrence counters are kept in memory only: a restarted kernel retires
-        # every lease first (rebuno_proto.retire_lease_after_restart), so none
-        # of them is needed again. Everything else survives exactly.
-        assert any(v is not None for v in before.pop("counters").values())
-        assert all(v is None for v in after.pop("counters").values())
-        assert after == before
+        # A clean close saved the in-memory occurrence counters too: the next
+        # kernel resumes with every lease in force.
+        assert reopened.resumed_cleanly
+        assert any(v is not None for v in before["counters"].values())
+        assert await reopened.run(_snapshot) == before
         assert before["executions"]
         assert before["approvals"]
         assert before["pending"]
@@ -2291,3 +2289,33 @@ async def test_sqlite_cancelled_waiters_do_not_wedge_the_queue(
         assert await sqlite_store.run(lambda tx: tx.execution(uid(99))) is None
         await apply(sqlite_store, executions=(make_execution(99),))
         assert await get(sqlite_store, uid(99)) == make_execution(99)
+
+
+async def test_sqlite_after_a_crash_counters_are_gone_and_nothing_resumes(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    path = str(tmp_path / "k.db")
+    store = await SQLiteStore.open(path)
+    assert not store.resumed_cleanly  # a new file
+    await apply(store, counters=(counter_write(uid(1), 4),))
+    store._close_sync()  # the process dies: no clean close, nothing saved
+
+    crashed = await SQLiteStore.open(path)
+    try:
+        assert not crashed.resumed_cleanly
+        assert await crashed.run(lambda tx: read_counter(tx, uid(1))) is None
+        await apply(crashed, counters=(counter_write(uid(1), 2),))
+    finally:
+        await crashed.close()
+
+    resumed = await SQLiteStore.open(path)
+    assert resumed.resumed_cleanly
+    assert await resumed.run(lambda tx: read_counter(tx, uid(1))) == 2
+    resumed._close_sync()  # and a crash after a clean resume: no stale counters
+    again = await SQLiteStore.open(path)
+    try:
+        assert not again.resumed_cleanly
+        assert await again.run(lambda tx: read_counter(tx, uid(1))) is None
+    finally:
+        await again.close()
+

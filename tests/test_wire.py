@@ -342,7 +342,24 @@ def test_execution_failure() -> None:
     raises(
         parse_execution_failure, body(error={"m": 1}), "error", "must be a string, got an object"
     )
-    raises(parse_execution_failure, body(error="x" * (64 * 1024 + 1)), "error", "at most 65536")
+    # Too long is cut, not refused: the agent must still be able to fail.
+    long = parse_execution_failure(body(error="x" * (64 * 1024 + 10))).error
+    assert long == "x" * (64 * 1024) + "... [10 more characters]"
+
+
+def test_huge_number_literals_are_message_errors() -> None:
+    raises(
+        parse_stream_delta,
+        b'{"seq":' + b"1" * 5000 + b',"data":"x"}',
+        "seq",
+        "must be an integer",
+    )
+    huge_lease = (
+        b'{"execution_id":"0192f1a0-0000-7000-8000-000000000000",'
+        b'"dispatch_id":"0192f1a0-1111-7000-8000-000000000000","dispatch_attempt":1,'
+        b'"lease_timeout_seconds":' + b"1" * 400 + b"}"
+    )
+    raises(parse_webhook, huge_lease, "lease_timeout_seconds", "positive number")
 
 
 # -- agent metadata -----------------------------------------------------------------------------

@@ -112,9 +112,12 @@ async def serve_kernel(
             policy=config.policy_hook or policy_hook(dev_mode=dev_mode),
         )
         await _register(kernel, config.agents)
-        retired = await kernel.retire_leases()
-        if retired:
-            log.info("retired %d lease(s) granted before this start; re-delivering", retired)
+        if store.resumed_cleanly:
+            log.info("resumed after a clean shutdown: leases stay in force")
+        else:
+            retired = await kernel.retire_leases()
+            if retired:
+                log.info("retired %d lease(s) granted before a crash; re-delivering", retired)
         api = KernelAPI(
             kernel,
             bearer_token=config.bearer_token,

@@ -324,6 +324,10 @@ class MemoryStore:
     def description(self) -> str:
         return "memory"
 
+    @property
+    def resumed_cleanly(self) -> bool:
+        return False  # nothing survives the process
+
     async def run(self, fn: Callable[[Any], T]) -> T:
         if self._closed:
             raise StoreError("store is closed")

@@ -78,10 +78,15 @@ class SQLiteStore:
         self._queue: deque[_Job] = deque()
         self._busy = False
         self._closed = False
+        self.resumed_cleanly = self._restore_counters()
 
     @property
     def description(self) -> str:
         return f"sqlite:{self._path}"
+
+    # `resumed_cleanly` (set at open): the previous kernel on this file shut down
+    # cleanly and its occurrence counters were restored, so the leases it
+    # granted may stay in force.
 
     @classmethod
     async def open(cls, path: str, *, synchronous: str = "FULL") -> SQLiteStore:
@@ -258,9 +263,48 @@ class SQLiteStore:
         result: T = job.result
         return result
 
+    def _restore_counters(self) -> bool:
+        """After a clean shutdown: load the saved counters, and drop them and the
+        marker at once, so a crash later never reuses stale ones."""
+        conn = self._conn
+        if conn.execute("SELECT 1 FROM clean_shutdown").fetchone() is None:
+            return False
+        rows = conn.execute(
+            "SELECT execution_id, kind, target, args_hash, value FROM saved_counters"
+        ).fetchall()
+        for execution_id, kind, target, args_hash, value in rows:
+            key = (execution_id, kind, target, args_hash)
+            self._counters.committed[key] = value
+            self._counters.by_execution.setdefault(execution_id, set()).add(key)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("DELETE FROM saved_counters")
+        conn.execute("DELETE FROM clean_shutdown")
+        conn.execute("COMMIT")
+        return True
+
+    def _save_counters(self, tx: Any) -> None:
+        # Runs as the last command: every earlier one has committed.
+        conn = self._conn
+        conn.execute("DELETE FROM saved_counters")
+        conn.executemany(
+            "INSERT INTO saved_counters (execution_id, kind, target, args_hash, value) "
+            "VALUES (?, ?, ?, ?, ?)",
+            [(*key, value) for key, value in self._counters.committed.items()],
+        )
+        conn.execute(
+            "INSERT OR REPLACE INTO clean_shutdown (id, at) VALUES (1, strftime('%s', 'now'))"
+        )
+
     async def close(self) -> None:
+        """Close cleanly: save the occurrence counters and mark the shutdown
+        clean (see `resumed_cleanly`), then release the file."""
         if self._closed:
             return
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.run(self._save_counters)
+        except StoreError:
+            pass  # the file is unusable: the next start treats this as a crash
         self._closed = True
         await anyio.to_thread.run_sync(self._close_sync)
 

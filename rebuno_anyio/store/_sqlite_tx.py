@@ -209,7 +209,9 @@ class SQLiteTx:
 
     def leased(self, after_id: str, limit: int) -> list[str]:
         rows = self._all(
-            "SELECT id FROM executions WHERE id > ? AND (dispatch_status = 'in_flight' "
+            "SELECT id FROM executions WHERE id > ? "
+            "AND status NOT IN ('completed', 'failed', 'cancelled') "
+            "AND (dispatch_status IN ('in_flight', 'pending', 'failed') "
             "OR (status = 'blocked' AND dispatch_status = 'exhausted')) ORDER BY id LIMIT ?",
             (after_id, limit),
         )
