@@ -11,11 +11,13 @@ step: submit and complete), so it is built for per-request cost, not generality:
   ``max_connections`` open; callers beyond that wait for a free one;
 - one retry on a fresh connection when a reused idle connection turns out to have
   been closed by the server before any byte of the response arrived;
-- one timeout per request covering the pool wait, connect, write and read.
+- one timeout per request covering the pool wait, connect, write and read;
+- ``https://`` base URLs over TLS (``anyio.connect_tcp(..., tls=True)``), with the
+  system's trusted CAs by default or the caller's ``ssl_context``.
 
 A connection goes back to the pool only after a complete, well-framed response that
 allows keep-alive; on any error, timeout or cancellation it is closed. Redirects are
-never followed; https is not supported (use httpx for anything beyond our kernel).
+never followed (use httpx for anything beyond our kernel).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from socket import IPPROTO_TCP, TCP_NODELAY
@@ -30,7 +33,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 import anyio
-from anyio.abc import SocketAttribute, SocketStream
+from anyio.abc import ByteStream, SocketAttribute
 
 __all__ = [
     "ClientResponse",
@@ -39,6 +42,7 @@ __all__ = [
     "HttpClient",
     "HttpClientError",
     "RequestTimeout",
+    "TLSError",
 ]
 
 _READ_SIZE: Final = 65536
@@ -84,6 +88,11 @@ class ConnectError(HttpClientError):
     """Could not open a connection (refused, unreachable, name resolution...)."""
 
 
+class TLSError(ConnectError):
+    """The TLS handshake failed (an untrusted certificate, a name mismatch, a peer
+    that does not speak TLS...). Trying again will not help."""
+
+
 class RequestTimeout(HttpClientError):
     """The request (pool wait, connect, write and read) exceeded its timeout."""
 
@@ -101,7 +110,7 @@ class _Reader:
 
     __slots__ = ("buf", "stream")
 
-    def __init__(self, stream: SocketStream, first: bytes) -> None:
+    def __init__(self, stream: ByteStream, first: bytes) -> None:
         self.stream = stream
         self.buf = bytearray(first)
 
@@ -217,7 +226,7 @@ def _parse_head(head: str) -> tuple[int, tuple[tuple[str, str], ...], bool, int 
 
 
 async def _exchange(
-    stream: SocketStream, data: bytes, body: bytes, method: str
+    stream: ByteStream, data: bytes, body: bytes, method: str
 ) -> tuple[ClientResponse, bool]:
     """Send one request and read its response on `stream`.
 
@@ -248,20 +257,30 @@ class HttpClient:
     """A pooled keep-alive HTTP/1.1 client for one base URL (our kernel API).
 
     Args:
-        base_url: ``http://host[:port][/prefix]``; https is not supported.
+        base_url: ``http://host[:port][/prefix]`` or ``https://...`` (port 443 by
+            default).
         timeout: seconds allowed per request: pool wait, connect, write and read.
         max_connections: most connections open at once; callers beyond it wait.
+        ssl_context: for https, the context that verifies the server (say, one
+            that trusts a private CA); default: `ssl.create_default_context()`,
+            the system's trusted CAs with host name checking.
 
     Raises:
-        ValueError: `base_url` is not an http URL with a host, or a limit is invalid.
+        ValueError: `base_url` is not an http(s) URL with a host, or a limit is invalid.
     """
 
-    def __init__(self, base_url: str, *, timeout: float = 35.0, max_connections: int = 64) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 35.0,
+        max_connections: int = 64,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         parts = urlsplit(base_url)
-        if parts.scheme != "http":
+        if parts.scheme not in ("http", "https"):
             raise ValueError(
-                f"HttpClient supports only http:// base URLs, got {base_url!r}"
-                + (" (https is not supported: use httpx)" if parts.scheme == "https" else "")
+                f"HttpClient supports only http:// and https:// URLs, got {base_url!r}"
             )
         try:
             port = parts.port
@@ -269,7 +288,7 @@ class HttpClient:
             raise ValueError(f"invalid port in base URL {base_url!r}") from exc
         if not parts.hostname or parts.username is not None or parts.query or parts.fragment:
             raise ValueError(
-                f"base URL must be http://host[:port][/prefix] without credentials, "
+                f"base URL must be http(s)://host[:port][/prefix] without credentials, "
                 f"query or fragment, got {base_url!r}"
             )
         if _BAD_TARGET.search(parts.path) or _BAD_TARGET.search(parts.netloc):
@@ -277,11 +296,16 @@ class HttpClient:
         if timeout <= 0 or max_connections < 1:
             raise ValueError("timeout must be > 0 and max_connections >= 1")
         self._host = parts.hostname
-        self._port = 80 if port is None else port
+        self._is_tls = parts.scheme == "https"
+        self._port = (443 if self._is_tls else 80) if port is None else port
+        self._ssl_context: ssl.SSLContext | None = None
+        if self._is_tls:
+            # One context per client: building one loads the CA store.
+            self._ssl_context = ssl_context or ssl.create_default_context()
         self._prefix = parts.path.rstrip("/")
         self._host_line = f"host: {parts.netloc}\r\n"
         self._timeout_s = timeout
-        self._idle: list[SocketStream] = []  # LIFO: the most recently used is warmest
+        self._idle: list[ByteStream] = []  # LIFO: the most recently used is warmest
         self._slots = anyio.Semaphore(max_connections)
         self._is_closed = False
 
@@ -367,9 +391,29 @@ class HttpClient:
                 await anyio.aclose_forcefully(stream)
             return response
 
-    async def _connect(self) -> SocketStream:
+    async def _connect(self) -> ByteStream:
+        stream: ByteStream
         try:
-            stream = await anyio.connect_tcp(self._host, self._port)
+            if self._ssl_context is None:
+                stream = await anyio.connect_tcp(self._host, self._port)
+            else:
+                # tls_standard_compatible=False: HTTP frames its own messages, so a
+                # peer closing without close_notify is an ordinary end of stream (the
+                # anyio documentation's advice for HTTP).
+                stream = await anyio.connect_tcp(
+                    self._host,
+                    self._port,
+                    tls=True,
+                    ssl_context=self._ssl_context,
+                    tls_hostname=self._host,
+                    tls_standard_compatible=False,
+                )
+        except ssl.SSLError as exc:  # the handshake itself (an OSError too: test first)
+            raise TLSError(f"TLS handshake with {self._host}:{self._port} failed: {exc}") from exc
+        except (anyio.BrokenResourceError, anyio.EndOfStream) as exc:  # closed mid-handshake
+            raise TLSError(
+                f"{self._host}:{self._port} closed the connection during the TLS handshake"
+            ) from exc
         except OSError as exc:
             raise ConnectError(f"could not connect to {self._host}:{self._port}: {exc}") from exc
         # anyio's backends set it already today; a request is one write, so Nagle

@@ -47,6 +47,10 @@ class Request:
     untouched), because request signatures cover the raw path and query
     (PROTOCOL.md, agent request signing). Header names are lower-cased, values
     decoded as latin-1, in arrival order with repeats kept.
+
+    `root_path` is the prefix an app is mounted under (ASGI's `root_path`, say
+    Starlette's `Mount("/agent", app=...)`), percent-encoded like `path`; the
+    target keeps it. Routing uses `route_path`, the path without it.
     """
 
     method: str
@@ -54,11 +58,24 @@ class Request:
     headers: Headers
     body: bytes
     client: tuple[str, int] | None = None
+    root_path: str = ""
 
     @property
     def path(self) -> str:
         """The target without its query string, still percent-encoded."""
         return self.target.partition("?")[0]
+
+    @property
+    def route_path(self) -> str:
+        """`path` without the `root_path` prefix, when the path starts with it.
+
+        A server that already stripped the prefix from the path is left alone.
+        """
+        root = self.root_path.rstrip("/")
+        path = self.path
+        if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+            return path[len(root) :] or "/"
+        return path
 
     @property
     def query(self) -> str:

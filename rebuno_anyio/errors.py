@@ -23,6 +23,7 @@ __all__ = [
     "Blocked",
     "ConflictError",
     "ForbiddenError",
+    "KernelUnreachable",
     "LeaseSuperseded",
     "NetworkError",
     "NotFoundError",
@@ -46,6 +47,16 @@ class RebunoError(Exception):
 
 class NetworkError(RebunoError):
     """The kernel could not be reached (connection refused, timeout...)."""
+
+
+class KernelUnreachable(NetworkError):
+    """An agent's own call to the kernel failed for good: refused past the retry
+    budget, timed out, or its connection was lost.
+
+    Inside a handler it is a control-flow signal like `LeaseSuperseded`: the
+    dispatch unwinds without reporting anything, and the kernel delivers the
+    execution again once the lease lapses.
+    """
 
 
 class APIError(RebunoError):
@@ -192,12 +203,43 @@ def refusal_message(decision: str, reason: str = "") -> str:
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, its causes and contexts, and the members of any exception group
+    met on the way (anyio task groups wrap a child's error in one), depth first."""
     seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen and len(seen) < 16:
+    pending: list[BaseException] = [exc]
+    while pending and len(seen) < 64:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
         seen.add(id(current))
         yield current
-        current = current.__cause__ or current.__context__
+        linked = current.__cause__ or current.__context__
+        if linked is not None:
+            pending.append(linked)
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(reversed(current.exceptions))  # first member first
+
+
+def _response_text(err: BaseException) -> str | None:
+    """The body of the HTTP response an error carries (httpx.HTTPStatusError
+    and provider SDK errors have `.response`), or None.
+
+    Reading it must never raise: a streamed response that was not read raises
+    `httpx.ResponseNotRead`, and an arbitrary exception's `response` may be a
+    property that fails. Whatever goes wrong, there is no body to look at.
+    """
+    try:
+        body = getattr(getattr(err, "response", None), "text", None)
+    except Exception:
+        return None
+    return body if isinstance(body, str) else None
+
+
+def _text(err: BaseException) -> str:
+    try:
+        return str(err)
+    except Exception:
+        return ""
 
 
 def raise_for_refusal(exc: BaseException) -> None:
@@ -207,12 +249,14 @@ def raise_for_refusal(exc: BaseException) -> None:
     carries a `rebuno_refusal` marker; the provider raises its own exception.
     Call this on it: `Blocked`, `Terminated`, `LeaseSuperseded`, `PolicyError`
     or `RateLimited` is raised from it. Returns quietly for anything else.
+
+    The exception's causes, contexts and exception-group members are searched
+    too, so a refusal raised in a task group's child is found.
     """
     for err in _chain(exc):
-        text = str(err)
-        response = getattr(err, "response", None)  # httpx.HTTPStatusError and provider SDKs
-        body = getattr(response, "text", None)
-        if isinstance(body, str):
+        text = _text(err)
+        body = _response_text(err)
+        if body is not None:
             text = f"{text}\n{body}"
         match = _REFUSAL.search(text)
         if match is None:
@@ -234,8 +278,23 @@ def raise_for_refusal(exc: BaseException) -> None:
         return
 
 
+def unwrap_group(exc: BaseException) -> BaseException:
+    """The single member of a (nested) one-member exception group, else `exc`.
+
+    anyio task groups wrap a child's exception in an `ExceptionGroup` even
+    when it is the only one; the member is what the handler meant to raise.
+    """
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def classify(exc: BaseException) -> tuple[HandlerOutcome, str, str]:
-    """How an exception ends a handler: (outcome, detail, class name)."""
+    """How an exception ends a handler: (outcome, detail, class name).
+
+    A one-member exception group (however nested) is decided by its member.
+    """
+    exc = unwrap_group(exc)
     if isinstance(exc, Blocked):
         return HandlerOutcome.BLOCKED, "", ""
     if isinstance(exc, Terminated):

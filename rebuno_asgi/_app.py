@@ -2,7 +2,8 @@
 
 It owns the translation between ASGI and `rebuno_anyio._http`: an `http` scope
 becomes the same `Request` the built-in server builds (raw target, lower-cased
-latin-1 headers, client address), the handler's `Response` goes back as
+latin-1 headers, client address, plus the `root_path` a host mounted the app
+under), the handler's `Response` goes back as
 `http.response.start` and `http.response.body`, and the `lifespan` scope enters
 and exits an async context manager. No framework is involved, so it runs under
 uvicorn, hypercorn (asyncio and trio workers) or any other ASGI server.
@@ -106,7 +107,9 @@ async def _serve_http(
         parts.append(chunk)
         if not message.get("more_body", False):
             break
-    request = Request(method, _target(scope), headers, b"".join(parts), _client(scope))
+    request = Request(
+        method, _target(scope), headers, b"".join(parts), _client(scope), _root_path(scope)
+    )
     await _send(send, await respond(handler, request), is_head=is_head)
 
 
@@ -132,6 +135,14 @@ def _target(scope: Scope) -> str:
     if isinstance(query, bytes | bytearray) and query:
         return f"{path}?{bytes(query).decode('latin-1')}"
     return path
+
+
+def _root_path(scope: Scope) -> str:
+    """ASGI's `root_path` (the mount prefix), percent-encoded like the target."""
+    root_path = scope.get("root_path")
+    if not isinstance(root_path, str) or not root_path:
+        return ""
+    return quote(root_path, safe=_PATH_SAFE)
 
 
 def _client(scope: Scope) -> tuple[str, int] | None:

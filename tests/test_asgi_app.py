@@ -112,6 +112,55 @@ async def test_target_without_raw_path_is_percent_encoded() -> None:
     assert json.loads(body)["target"] == "/a%20b/%C3%A9?x=%20"
 
 
+async def test_root_path_is_passed_on_and_the_target_stays_whole() -> None:
+    """Mounted under a prefix (ASGI `root_path`), the request keeps its full raw
+    target (signatures cover it) and routes on the path below the prefix."""
+    seen: list[Request] = []
+
+    async def handler(request: Request) -> Response:
+        seen.append(request)
+        return Response(200)
+
+    app = asgi_app(handler)
+    inbox: list[Message] = [{"type": "http.request", "body": b""}]
+    await call(
+        app,
+        http_scope(path="/agent/webhook", raw_path=b"/agent/webhook?x=1", root_path="/agent"),
+        list(inbox),
+    )
+    await call(
+        app,
+        http_scope(path="/my agent/hook", raw_path=b"/my%20agent/hook", root_path="/my agent"),
+        list(inbox),
+    )
+    await call(app, http_scope(path="/hook", raw_path=b"/hook"), list(inbox))
+    assert [(r.target, r.root_path, r.route_path) for r in seen] == [
+        ("/agent/webhook", "/agent", "/webhook"),
+        ("/my%20agent/hook", "/my%20agent", "/hook"),
+        ("/hook", "", "/hook"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("root_path", "target", "route_path"),
+    [
+        ("", "/webhook?q=1", "/webhook"),
+        ("/agent", "/agent/webhook?q=1", "/webhook"),
+        ("/agent/", "/agent/webhook", "/webhook"),
+        ("/agent", "/agent", "/"),
+        ("/agent", "/agent/", "/"),
+        ("/agent", "/agents/webhook", "/agents/webhook"),  # not on a segment boundary
+        ("/agent", "/webhook", "/webhook"),  # a server that stripped it already
+    ],
+)
+def test_route_path_drops_the_root_path_prefix(
+    root_path: str, target: str, route_path: str
+) -> None:
+    request = Request("POST", target, (), b"", root_path=root_path)
+    assert request.route_path == route_path
+    assert request.target == target
+
+
 async def test_oversize_declared_body_gets_413_without_being_read() -> None:
     called: list[Request] = []
 

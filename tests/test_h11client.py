@@ -7,15 +7,19 @@ depend on nothing else in rebuno_anyio. Each request path picks a server behavio
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from socket import IPPROTO_TCP, TCP_NODELAY
 
 import anyio
 import h11
 import pytest
-from anyio.abc import SocketAttribute, SocketStream
+from anyio.abc import ByteStream, SocketAttribute
+from anyio.streams.tls import TLSListener
+from tls_support import SelfSigned, self_signed
 
 from rebuno_anyio._h11client import (
     ClientResponse,
@@ -24,6 +28,7 @@ from rebuno_anyio._h11client import (
     HttpClient,
     HttpClientError,
     RequestTimeout,
+    TLSError,
     _Reader,
 )
 
@@ -50,7 +55,7 @@ KEEP, CLOSE, RAW_KEEP = "keep", "close", "raw-keep"
 class Conn:
     """One server-side connection, as a handler sees it."""
 
-    stream: SocketStream
+    stream: ByteStream
     h: h11.Connection = field(default_factory=lambda: h11.Connection(h11.SERVER))
     method: str = ""
 
@@ -76,9 +81,9 @@ Handler = Callable[[Conn, Seen], Awaitable[str]]
 
 
 class Server:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, scheme: str = "http") -> None:
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{scheme}://127.0.0.1:{port}"
         self.connections = 0
         self.ended = 0
         self.requests: list[Seen] = []
@@ -97,7 +102,7 @@ class Server:
             while not predicate():
                 await self._changed.wait()
 
-    async def serve_connection(self, stream: SocketStream) -> None:
+    async def serve_connection(self, stream: ByteStream) -> None:
         self.connections += 1
         self._notify()
         conn = Conn(stream)
@@ -122,7 +127,10 @@ class Server:
     async def _read_request(self, conn: Conn) -> Seen | None:
         request, body = None, b""
         while True:
-            event = conn.h.next_event()
+            try:
+                event = conn.h.next_event()
+            except h11.RemoteProtocolError:  # not HTTP at all (a TLS handshake, say)
+                return None
             if event is h11.NEED_DATA:
                 try:
                     conn.h.receive_data(await conn.stream.receive())
@@ -162,10 +170,15 @@ def _raw(data: bytes, outcome: str = CLOSE) -> Handler:
 
 
 @asynccontextmanager
-async def serving(routes: dict[str, Handler] | None = None) -> AsyncIterator[Server]:
-    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
-        server = Server(listener.extra(SocketAttribute.local_port))
+async def serving(
+    routes: dict[str, Handler] | None = None, *, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[Server]:
+    """Serve on a loopback port; with `tls` (a server context), over TLS."""
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as tcp:
+        port = tcp.extra(SocketAttribute.local_port)
+        server = Server(port, "http" if tls is None else "https")
         server.routes.update(routes or {})
+        listener = tcp if tls is None else TLSListener(tcp, tls, standard_compatible=False)
         async with anyio.create_task_group() as tg:
             tg.start_soon(listener.serve, server.serve_connection, tg)
             yield server
@@ -449,9 +462,10 @@ async def test_target_joins_the_base_path_prefix() -> None:
 @pytest.mark.parametrize(
     ("url", "match"),
     [
-        ("https://kernel:8443", "https is not supported"),
+        ("ftp://kernel:8443", "only http:// and https://"),
         ("localhost:8080", "only http://"),
         ("garbage", "only http://"),
+        ("https://", "without credentials"),
         ("http://", "without credentials"),
         ("http://user:pw@host", "without credentials"),
         ("http://host/?q=1", "without credentials"),
@@ -579,3 +593,78 @@ async def test_malformed_responses_raise_connection_lost(raw: bytes) -> None:
     reader = _Reader(_Chunks([]), raw)  # type: ignore[arg-type]
     with pytest.raises(ConnectionLost, match=r"malformed|bad content-length"):
         await reader.response("GET")
+
+
+# -- https ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> SelfSigned:
+    return self_signed(tmp_path_factory.mktemp("tls"))
+
+
+async def test_https_round_trip_keeps_the_connection_alive(certificate: SelfSigned) -> None:
+    """An https:// base URL is served over TLS (host name checked against the
+    certificate), with keep-alive pooling as for http."""
+    async with (
+        serving(tls=certificate.server_context()) as server,
+        HttpClient(server.url + "/api", ssl_context=certificate.client_context()) as client,
+    ):
+        assert server.url.startswith("https://")
+        for n in range(5):
+            got = await client.request("POST", f"/v0/things/{n}", body=b'{"n": 1}')
+            assert got.status == 200
+            assert got.json() == {
+                "method": "POST",
+                "target": f"/api/v0/things/{n}",
+                "body": '{"n": 1}',
+            }
+        big = b"x" * 100_000  # larger than one TLS record, sent without a copy
+        assert (await client.request("PUT", "/big", body=big)).json()["body"] == big.decode()
+    assert server.connections == 1
+    assert dict(server.requests[0].headers)["host"] == f"127.0.0.1:{server.port}"
+
+
+async def test_https_idle_connection_closed_by_server_is_retried(certificate: SelfSigned) -> None:
+    async def closing(conn: Conn, seen: Seen) -> str:
+        await conn.respond(200, [], b"then gone")  # keep-alive framing, then closes
+        return CLOSE
+
+    async with (
+        serving({"/close": closing}, tls=certificate.server_context()) as server,
+        HttpClient(server.url, ssl_context=certificate.client_context()) as client,
+    ):
+        assert (await client.request("GET", "/close")).body == b"then gone"
+        await server.wait_for(lambda: server.ended == 1)
+        assert (await client.request("GET", "/again")).status == 200
+    assert server.connections == 2
+
+
+async def test_https_with_an_untrusted_certificate_is_a_tls_error(
+    certificate: SelfSigned, tmp_path: Path
+) -> None:
+    """The default context trusts the system's CAs only: a self-signed
+    certificate fails the handshake, and no request is sent."""
+    other = self_signed(tmp_path)  # trusted by the client, but not the server's
+    async with serving(tls=certificate.server_context()) as server:
+        for context in (None, other.client_context()):
+            async with HttpClient(server.url, ssl_context=context) as client:
+                with pytest.raises(TLSError, match="TLS handshake") as caught:
+                    await client.request("GET", "/")
+                assert isinstance(caught.value, ConnectError)
+        assert server.requests == []
+
+
+async def test_https_to_a_plain_http_server_is_a_tls_error(certificate: SelfSigned) -> None:
+    async with serving() as server:
+        url = server.url.replace("http://", "https://")
+        async with HttpClient(url, ssl_context=certificate.client_context()) as client:
+            with anyio.fail_after(5), pytest.raises(TLSError):
+                await client.request("GET", "/")
+
+
+def test_https_defaults_to_port_443() -> None:
+    client = HttpClient("https://kernel.example/api")
+    assert client._port == 443
+    assert HttpClient("http://kernel.example")._port == 80
+    assert client.target("/v0/x") == "/api/v0/x"

@@ -736,6 +736,49 @@ async def test_raise_for_refusal_ignores_real_provider_errors() -> None:
     raise_for_refusal(caught.value)  # returns: not a refusal
 
 
+async def test_raise_for_refusal_never_fails_reading_a_response_body() -> None:
+    """A streamed response nobody read has no `.text` (httpx raises
+    `ResponseNotRead`); an arbitrary error's `response` may be anything. Neither
+    is a refusal, and neither makes `raise_for_refusal` raise."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"rebuno_refusal: denied"  # never read, so never seen
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(500, content=chunks()))
+    async with (
+        httpx.AsyncClient(transport=transport) as http,
+        http.stream("GET", "http://provider.test/") as response,
+    ):
+        with pytest.raises(httpx.HTTPStatusError) as caught:
+            response.raise_for_status()
+    raise_for_refusal(caught.value)
+
+    class Hostile:
+        @property
+        def text(self) -> str:
+            raise OSError("the body is gone")
+
+    class WithResponse(Exception):
+        response = Hostile()
+
+    raise_for_refusal(WithResponse("no marker here"))
+
+
+async def test_raise_for_refusal_looks_inside_exception_groups() -> None:
+    """A refusal raised in a task group's child arrives in an ExceptionGroup
+    (nested, or as the cause of a member): it is found all the same."""
+    provider_error = RuntimeError("Error code: 403 - rebuno_refusal: denied reason=not here")
+    wrapped = ValueError("the framework's own error")
+    wrapped.__cause__ = RuntimeError("Error code: 429 - rebuno_refusal: rate_limited")
+    with pytest.raises(PolicyError, match="not here"):
+        raise_for_refusal(ExceptionGroup("tg", [ExceptionGroup("inner", [provider_error])]))
+    with pytest.raises(RateLimited):
+        raise_for_refusal(ExceptionGroup("tg", [KeyError("other"), wrapped]))
+    with pytest.raises(Blocked):
+        raise_for_refusal(BaseExceptionGroup("tg", [RuntimeError("403 - rebuno_refusal: blocked")]))
+    raise_for_refusal(ExceptionGroup("tg", [KeyError("a"), ValueError("b")]))
+
+
 # -- streaming ---------------------------------------------------------------------------------
 
 

@@ -8,17 +8,22 @@ server, on asyncio and on trio.
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from anyio.abc import ByteStream, SocketAttribute
+from anyio.streams.tls import TLSListener
 from kernels import InProcessKernel, inprocess_kernel
 from pydantic import BaseModel
 from sdk_support import AGENT_ID, SECRET, KernelSpy, served, set_webhook
+from tls_support import self_signed
 
-from rebuno_anyio import Agent, Client, Result, execution
+from rebuno_anyio import Agent, Client, Result, execution, tool
 from rebuno_anyio.kernel import KernelConfig, serve_kernel
 from rebuno_anyio.types import Execution
 
@@ -335,13 +340,21 @@ async def kernel_on(port: int) -> AsyncIterator[InProcessKernel]:
 
 async def test_metadata_is_retried_on_first_dispatch_after_a_network_failure() -> None:
     """The agent starts before its kernel is reachable: publishing fails with a
-    network error, and the first webhook (once the kernel is up) publishes it."""
+    network error (`KernelUnreachable`, once the refused connection has been
+    retried for min(kernel_timeout, 30) s), and the first webhook (once the
+    kernel is up) publishes it."""
 
     async def process(prompt: str) -> str:
         return prompt.upper()
 
     port = free_port()
-    agent = Agent(AGENT_ID, secret=SECRET, base_url=f"http://127.0.0.1:{port}", description="up")
+    agent = Agent(
+        AGENT_ID,
+        secret=SECRET,
+        base_url=f"http://127.0.0.1:{port}",
+        description="up",
+        kernel_timeout=1.0,  # the retry budget for a refused connection
+    )
     spy = KernelSpy(agent)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
@@ -350,7 +363,7 @@ async def test_metadata_is_retried_on_first_dispatch_after_a_network_failure() -
                     process, host="127.0.0.1", port=0, task_status=task_status
                 )
             )
-            await spy.wait_for("set_metadata", outcome="NetworkError")
+            await spy.wait_for("set_metadata", outcome="KernelUnreachable")
             async with kernel_on(port) as k, Client(k.url) as client:
                 await k.register(AGENT_ID, "http://127.0.0.1:9/webhook", SECRET)
                 assert (await client.get_agent(AGENT_ID)).description is None
@@ -429,3 +442,72 @@ async def test_close_cancels_running_handlers_and_closes_the_kernel_client() -> 
 
     assert cancelled == [created.id]
     assert current.status == "running"  # nothing reported: the kernel re-delivers later
+
+
+# -- a kernel behind TLS ------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def tls_proxy(upstream_port: int, context: ssl.SSLContext) -> AsyncIterator[int]:
+    """Terminate TLS on a loopback port and relay to `upstream_port` (as a
+    reverse proxy in front of the kernel would); yields the TLS port."""
+
+    async def relay(source: ByteStream, sink: ByteStream) -> None:
+        with suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            async for chunk in source:
+                await sink.send(chunk)
+
+    async def handle(client: ByteStream) -> None:
+        async with (
+            client,
+            await anyio.connect_tcp("127.0.0.1", upstream_port) as upstream,
+            anyio.create_task_group() as pair,
+        ):
+
+            async def one_way(source: ByteStream, sink: ByteStream) -> None:
+                await relay(source, sink)
+                pair.cancel_scope.cancel()  # either side done: the connection is
+
+            pair.start_soon(one_way, client, upstream)
+            pair.start_soon(one_way, upstream, client)
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as tcp:
+        listener = TLSListener(tcp, context, standard_compatible=False)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, handle, tg)
+            yield tcp.extra(SocketAttribute.local_port)
+            tg.cancel_scope.cancel()
+
+
+@tool
+async def shout(word: str) -> str:
+    return word.upper()
+
+
+async def test_agent_talks_to_an_https_kernel_with_a_private_ca(tmp_path: Path) -> None:
+    """`Agent(base_url="https://...", ssl_context=...)`: every kernel call goes
+    over TLS, verified against the CA the context trusts."""
+    certificate = self_signed(tmp_path)
+
+    async def process(word: str) -> str:
+        return await shout(word)
+
+    with anyio.fail_after(15):
+        async with (
+            inprocess_kernel() as k,
+            Client(k.url) as client,
+            tls_proxy(k.running.port, certificate.server_context()) as tls_port,
+        ):
+            agent = Agent(
+                AGENT_ID,
+                secret=SECRET,
+                base_url=f"https://127.0.0.1:{tls_port}",
+                ssl_context=certificate.client_context(),
+            )
+            spy = KernelSpy(agent)
+            async with served(k, process, agent=agent):
+                final = await client.wait((await client.create(AGENT_ID, {"word": "hi"})).id)
+
+    assert (final.status, final.output) == ("completed", "HI"), final.failure_reason
+    assert ("complete_execution", "ok") in spy.calls
+    assert agent._kernel._http._is_tls

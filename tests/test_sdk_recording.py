@@ -426,3 +426,109 @@ async def test_orphaned_steps_rerun_when_safe_and_are_refused_when_at_most_once(
         (0, "failed", "indeterminate"),
         (1, "denied", "prior attempt outcome unknown; retry refused"),
     ]
+
+
+# -- tools on another event loop ----------------------------------------------------------------
+
+
+@tool
+async def times_ten(n: int) -> int:
+    ran("times_ten")
+    return n * 10
+
+
+def on_a_loop_of_its_own(n: int) -> dict[str, Any]:
+    """What frameworks do with a sync tool: in its worker thread, run async
+    tools on a fresh asyncio loop. The context variable follows; the kernel
+    calls must still go out on the handler's loop."""
+    import asyncio
+
+    async def main() -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "tool": await times_ten(n),
+            "step": await step("next", lambda: n + 1),
+            "previous": await previous(),
+        }
+        try:
+            await explode("far away")
+        except ToolError as err:
+            out["error"] = err.message
+        return out
+
+    return asyncio.run(main())
+
+
+@tool
+def bridge(n: int) -> dict[str, Any]:
+    return on_a_loop_of_its_own(n)
+
+
+async def test_tools_called_from_another_event_loop_record_through_the_owner_loop() -> None:
+    """Submit, complete, fail and `previous()` made on a foreign loop (asyncio
+    in a worker thread, under an asyncio or a trio handler) run on the loop the
+    handler runs on, whose connections and locks they need."""
+
+    async def process(n: int) -> list[Any]:
+        return [await times_ten(0), await bridge(n), await times_ten(2)]
+
+    final, recorded, _ = await run(process, {"n": 1})
+    assert final.status == "completed", final.failure_reason
+    assert final.output == [
+        0,
+        {"tool": 10, "step": 2, "previous": None, "error": "far away"},
+        20,
+    ]
+    assert sorted((s.target, s.status) for s in recorded) == [
+        ("bridge", "succeeded"),
+        ("explode", "failed"),
+        ("next", "succeeded"),
+        ("times_ten", "succeeded"),
+        ("times_ten", "succeeded"),
+        ("times_ten", "succeeded"),
+    ]
+    assert bodies == {"times_ten": 3, "explode": 1}
+
+
+# -- ergonomics, and code ported from the published SDK -------------------------------------------
+
+
+async def test_execution_must_be_called() -> None:
+    with pytest.raises(AttributeError, match=r"execution must be called: use execution\(\)\.id"):
+        execution.id  # type: ignore[attr-defined]  # noqa: B018
+    assert callable(execution)
+    seen: list[tuple[str, str]] = []
+
+    async def process(input: Any) -> str:
+        ctx = execution()
+        seen.append((ctx.id, ctx.status))
+        return ctx.id
+
+    final, _, _ = await run(process)
+    assert seen == [(final.id, "running")]  # the status fetched at dispatch
+
+
+@tool("stock", resources=["inventory"])
+async def stock(item: str) -> int:
+    ran("stock")
+    return 3
+
+
+async def test_resources_are_accepted_and_ignored() -> None:
+    """`resources=` (the published SDK's) changes nothing: no snapshots or
+    checkpoints, the steps are recorded as without it."""
+    restock = make_wrapped_tool("restock", lambda args: args["n"], resources=["inventory"])
+
+    async def process(input: Any) -> list[int]:
+        return [
+            await stock("apple"),
+            await restock(n=4),
+            await step("count", lambda: 5, resources=["inventory"]),
+        ]
+
+    final, recorded, _ = await run(process)
+    assert final.output == [3, 4, 5]
+    assert sorted((s.kind, s.target, s.args) for s in recorded) == [
+        ("local", "count", {}),
+        ("tool_call", "restock", {"n": 4}),
+        ("tool_call", "stock", {"item": "apple"}),
+    ]

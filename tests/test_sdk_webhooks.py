@@ -9,6 +9,8 @@ agent shows what reached the kernel.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -354,3 +356,113 @@ async def test_body_signing_really_sends_the_body_form() -> None:
     assert spy.calls[0] == ("set_metadata", "UnauthorizedError")
     assert ("get_execution", "UnauthorizedError") in spy.calls
     assert current.status == "running"
+
+
+# -- a closed agent, and one mounted in a host app ----------------------------------------------
+
+
+async def test_a_closed_agent_answers_503() -> None:
+    """After `close()` a webhook is refused with 503, not acknowledged and
+    dropped, so the kernel counts the delivery as failed and tries again."""
+    runs: list[str] = []
+
+    async def process(input: Any) -> str:
+        runs.append(execution().id)
+        return "ran"
+
+    with anyio.fail_after(15):
+        async with (
+            inprocess_kernel() as k,
+            Client(k.url) as client,
+            Sink().serving() as sink,
+        ):
+            agent = Agent(AGENT_ID, secret=SECRET, base_url=k.url)
+            spy = KernelSpy(agent)
+            async with served(k, process, agent=agent, deliver=False) as running:
+                await set_webhook(k, AGENT_ID, sink.url)
+                await client.create(AGENT_ID, {})
+                delivery = await sink.next()
+                await agent.close()
+                refused = await post(
+                    running.webhook_url, delivery.body, {"Rebuno-Signature": delivery.signature}
+                )
+                unsigned = await post(running.webhook_url, delivery.body)
+
+    assert refused.status_code == 503
+    assert refused.json() == {"code": "internal_error", "message": "agent is closed"}
+    assert unsigned.status_code == 401  # the signature is still checked first
+    assert runs == []
+    assert spy.count("get_execution") == 0
+
+
+@asynccontextmanager
+async def lifespan_of(app: Any) -> AsyncIterator[None]:
+    """Run an ASGI app's lifespan, as a server would, for the block's duration."""
+    to_app, app_inbox = anyio.create_memory_object_stream[dict[str, Any]](4)
+    app_outbox, from_app = anyio.create_memory_object_stream[dict[str, Any]](4)
+    async with anyio.create_task_group() as tg:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+        tg.start_soon(app, scope, app_inbox.receive, app_outbox.send)
+        await to_app.send({"type": "lifespan.startup"})
+        assert (await from_app.receive())["type"] == "lifespan.startup.complete"
+        yield
+        await to_app.send({"type": "lifespan.shutdown"})
+        assert (await from_app.receive())["type"] == "lifespan.shutdown.complete"
+    for stream in (to_app, app_inbox, app_outbox, from_app):
+        stream.close()
+
+
+async def test_agent_app_mounted_in_a_starlette_host() -> None:
+    """`Mount("/agent", app=agent.app)`: the webhook answers at
+    /agent/webhook (matched below the ASGI root_path), and the agent runs from
+    the host's lifespan, which enters `agent.running()` (a host does not pass
+    lifespan events on to mounted apps)."""
+    pytest.importorskip("starlette")
+    from starlette.applications import Starlette
+    from starlette.requests import Request as StarletteRequest
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Mount, Route
+
+    async def process(word: str) -> str:
+        return (await before()) + " " + word.upper()
+
+    async def health(request: StarletteRequest) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    with anyio.fail_after(15):
+        async with (
+            inprocess_kernel() as k,
+            Client(k.url) as client,
+            Sink().serving() as sink,
+        ):
+            await k.register(AGENT_ID, sink.url, SECRET)
+            agent = Agent(AGENT_ID, secret=SECRET, base_url=k.url)
+            agent.bind(process)
+
+            @asynccontextmanager
+            async def host_lifespan(app: Starlette) -> AsyncIterator[None]:
+                async with agent.running():
+                    yield
+
+            host = Starlette(
+                routes=[Route("/health", health), Mount("/agent", app=agent.app)],
+                lifespan=host_lifespan,
+            )
+            transport = httpx.ASGITransport(app=host)
+            async with (
+                lifespan_of(host),
+                httpx.AsyncClient(transport=transport, base_url="http://host.test") as http,
+            ):
+                created = await client.create(AGENT_ID, {"word": "hi"})
+                delivery = await sink.next()
+                headers = {"Rebuno-Signature": delivery.signature}
+                unmounted = await http.post("/webhook", content=delivery.body, headers=headers)
+                wrong = await http.post("/agent/other", content=delivery.body, headers=headers)
+                accepted = await http.post("/agent/webhook", content=delivery.body, headers=headers)
+                final = await client.wait(created.id)
+                assert (await http.get("/health")).text == "ok"
+            assert agent._kernel._http._is_closed  # the host's lifespan closed the agent
+
+    assert (unmounted.status_code, wrong.status_code, accepted.status_code) == (404, 404, 200)
+    assert wrong.json()["message"] == "no route for /agent/other"
+    assert (final.status, final.output) == ("completed", "before done HI")

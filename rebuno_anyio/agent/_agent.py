@@ -13,12 +13,14 @@ import logging
 import math
 import os
 import signal
+import ssl
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import sniffio
 from anyio.abc import TaskGroup, TaskStatus
 from pydantic import BaseModel
 
@@ -51,6 +53,7 @@ from .._http import Request, Response
 from .._server import HttpServer, ServerLimits
 from ..errors import (
     Blocked,
+    KernelUnreachable,
     LeaseSuperseded,
     NetworkError,
     PolicyError,
@@ -71,6 +74,20 @@ __all__ = ["Agent"]
 
 log = logging.getLogger("rebuno.agent")
 _WEBHOOK_LIMITS = ServerLimits(max_body_bytes=64 * 1024, max_header_bytes=32 * 1024)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, however nested (or `[exc]`)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for member in exc.exceptions for leaf in _leaves(member)]
+    return [exc]
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "<unprintable exception>"
 
 
 def _is_terminal(status: str) -> bool:
@@ -101,6 +118,8 @@ class Agent:
         description: published to the kernel's agent record.
         output_schema: a JSON Schema dict or a pydantic model, also published.
         signing: `"v1"` (default) or `"body"` (the seeds' body-only signature).
+        ssl_context: for an `https://` kernel, the context that verifies it
+            (one trusting a private CA, say); default: the system's trusted CAs.
 
     Raises:
         ValueError: an empty id, or no secret or URL.
@@ -117,6 +136,7 @@ class Agent:
         description: str | None = None,
         output_schema: dict[str, Any] | type[BaseModel] | None = None,
         signing: Signing = "v1",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not agent_id:
             raise ValueError("agent_id must not be empty")
@@ -139,6 +159,7 @@ class Agent:
             base_url=self.base_url,
             timeout=kernel_timeout,
             signing=signing,
+            ssl_context=ssl_context,
         )
         self._signature: Signature | None = None
         self._process: Callable[..., Any] | None = None
@@ -162,7 +183,13 @@ class Agent:
     @property
     def app(self) -> ASGIApp:
         """The agent as an ASGI app (for uvicorn, hypercorn, granian...). Its
-        lifespan starts the agent's task group and closes the kernel client."""
+        lifespan starts the agent's task group and closes the kernel client.
+
+        Mounted under a prefix in a host app (Starlette's `Mount("/agent", ...)`)
+        the webhook is matched below the ASGI `root_path`. Hosts do not pass
+        lifespan events to mounted apps: enter `agent.running()` from the host
+        app's own lifespan instead (docs/agents.md).
+        """
         if self._app is None:
             from rebuno_asgi import asgi_app  # the ASGI layer sits above this package
 
@@ -257,13 +284,20 @@ class Agent:
     # -- the webhook ------------------------------------------------------------------------
 
     async def handle_request(self, request: Request) -> Response:
-        """The HTTP handler: the webhook route; anything else is 404."""
-        if request.path != self.webhook_path:
+        """The HTTP handler: the webhook route; anything else is 404.
+
+        The route is matched below the mount prefix (`Request.route_path`). A
+        closed agent answers 503, so the kernel delivers the dispatch again
+        later instead of taking it as accepted.
+        """
+        if request.route_path != self.webhook_path:
             return Response.error(404, "not_found", f"no route for {request.path}")
         if request.method != "POST":
             return Response.error(405, "method_not_allowed", "the webhook accepts POST only")
         if not verify_webhook(self._secret, request.body, request.header("rebuno-signature")):
             return Response(401)
+        if self._closed:
+            return Response.error(503, "internal_error", "agent is closed")
         self._ensure_metadata()
         try:
             payload = parse_webhook(request.body)
@@ -320,11 +354,48 @@ class Agent:
 
     # -- one dispatch -------------------------------------------------------------------------
 
+    def _is_our_cancellation(self, exc: BaseException, *scopes: anyio.CancelScope) -> bool:
+        """Whether `exc` (or a member of it) is a cancellation meant for this task:
+        one of `scopes` (the dispatch's) was cancelled, the agent is closing, or
+        the task itself is being cancelled. Anything else that is not an
+        `Exception` -- a stray `CancelledError`, a custom `BaseException` -- is
+        the handler's own failure, and must not take the agent's task group down.
+        """
+        cancelled = anyio.get_cancelled_exc_class()
+        if not any(isinstance(leaf, cancelled) for leaf in _leaves(exc)):
+            return False
+        if self._closed or any(scope.cancel_called for scope in scopes):
+            return True
+        if sniffio.current_async_library() != "asyncio":
+            return True  # trio.Cancelled comes from trio's own cancel scopes only
+        # asyncio only, and beyond anyio's reach: awaiting a task someone else
+        # cancelled raises CancelledError in *this* task, indistinguishable by
+        # type from a real cancellation. A real one -- from an anyio cancel scope
+        # or a plain task.cancel() -- is counted by Task.cancelling() until it is
+        # handled; a stray one is not. anyio has no API for this, so asyncio is
+        # imported here, lazily: only ever under the asyncio backend.
+        import asyncio
+
+        task = asyncio.current_task()
+        return task is None or task.cancelling() > 0
+
+    def _must_propagate(self, exc: BaseException, *scopes: anyio.CancelScope) -> bool:
+        """KeyboardInterrupt and SystemExit always propagate; cancellation does
+        when it is ours."""
+        if any(isinstance(leaf, KeyboardInterrupt | SystemExit) for leaf in _leaves(exc)):
+            return True
+        return self._is_our_cancellation(exc, *scopes)
+
     async def _dispatch(self, payload: WebhookPayload, running: _Running) -> None:
         try:
             with running.scope:
-                await self._run_dispatch(payload)
+                await self._run_dispatch(payload, running.scope)
         except Exception:
+            log.exception("dispatch of execution %s failed", payload.execution_id)
+        except BaseException as exc:
+            # Contained: one dispatch must never cancel or crash the others.
+            if self._must_propagate(exc, running.scope):
+                raise
             log.exception("dispatch of execution %s failed", payload.execution_id)
         finally:
             self._webhooks.finished(payload.execution_id, running.lease)
@@ -334,7 +405,9 @@ class Agent:
             if not self._active:
                 self._idle.set()
 
-    async def _run_dispatch(self, payload: WebhookPayload) -> None:
+    async def _run_dispatch(
+        self, payload: WebhookPayload, dispatch_scope: anyio.CancelScope
+    ) -> None:
         machine = Dispatch()
         now = anyio.current_time
         machine.handle(DispatchReceived(payload=payload), now=now())
@@ -369,7 +442,10 @@ class Agent:
             agent_id=self.agent_id,
             lease=lease,
             input=execution.get("input"),
+            status=status,
             on_lease_lost=lease_lost,
+            # The kernel stays silent: unwind and let it deliver again later.
+            on_unreachable=handler_scope.cancel,
         )
         if rejected is not None:
             for action in machine.handle(rejected, now=now()):
@@ -377,13 +453,17 @@ class Agent:
             return
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeats, machine, ctx)
-            conclusion = await self._run_handler(ctx, kwargs, handler_scope)
+            conclusion = await self._run_handler(ctx, kwargs, handler_scope, dispatch_scope)
             for action in machine.handle(HandlerFinished(conclusion=conclusion), now=now()):
                 await self._report(ctx, machine, action)
             tg.cancel_scope.cancel()
 
     async def _run_handler(
-        self, ctx: ExecutionContext, kwargs: dict[str, Any], scope: anyio.CancelScope
+        self,
+        ctx: ExecutionContext,
+        kwargs: dict[str, Any],
+        scope: anyio.CancelScope,
+        dispatch_scope: anyio.CancelScope,
     ) -> CompleteExecution | FailExecution | None:
         assert self._process is not None
         token = activate(ctx)
@@ -393,9 +473,18 @@ class Agent:
                 output = await offload(self._process, **kwargs)
         except Exception as exc:
             return self._conclude_error(ctx, exc)
+        except BaseException as exc:
+            if self._must_propagate(exc, scope, dispatch_scope):
+                raise
+            return self._conclude_error(ctx, exc)  # a stray cancellation, a custom one
         finally:
             deactivate(token)
-        if ctx.is_superseded or scope.cancelled_caught or ctx.suspension is not None:
+        if (
+            ctx.is_superseded
+            or ctx.is_unreachable
+            or scope.cancelled_caught
+            or ctx.suspension is not None
+        ):
             return None
         state = None
         if isinstance(output, Result):
@@ -410,17 +499,27 @@ class Agent:
         return CompleteExecution(output=output_json, state=state_json)
 
     def _conclude_error(
-        self, ctx: ExecutionContext, exc: Exception
+        self, ctx: ExecutionContext, exc: BaseException
     ) -> CompleteExecution | FailExecution | None:
-        if ctx.suspension is not None or ctx.is_superseded:
+        if ctx.suspension is not None or ctx.is_superseded or ctx.is_unreachable:
             return None
         try:
-            raise_for_refusal(exc)
-        except (Blocked, Terminated, LeaseSuperseded):
-            return None
-        except (PolicyError, RateLimited) as refused:
-            exc = refused
-        outcome, detail, error_class = classify(exc)
+            try:
+                raise_for_refusal(exc)
+            except (Blocked, Terminated, LeaseSuperseded, KernelUnreachable):
+                return None
+            except (PolicyError, RateLimited) as refused:
+                exc = refused
+            outcome, detail, error_class = classify(exc)
+        except Exception:
+            # Classifying must never keep the execution from being failed: an
+            # escape here would leave it to be re-delivered until exhausted.
+            log.exception("classifying the error of execution %s failed", ctx.id)
+            outcome, detail, error_class = (
+                HandlerOutcome.OTHER_ERROR,
+                _text(exc),
+                type(exc).__name__,
+            )
         if outcome is HandlerOutcome.OTHER_ERROR:
             log.error("handler of execution %s raised", ctx.id, exc_info=exc)
         return conclude(outcome, detail=detail, error_class=error_class)

@@ -7,7 +7,16 @@ and record its outcome, return the recorded result, or raise.
 
 `Blocked` and `Terminated` are remembered here, so the agent re-raises them even
 if the handler swallowed them. A `LeaseSuperseded` from any call cancels the
-handler: nothing more is written under a lease the kernel has moved past.
+handler: nothing more is written under a lease the kernel has moved past. So does
+a `KernelUnreachable` (the kernel did not answer even after the kernel client's
+retries): the dispatch unwinds without reporting, and the kernel delivers the
+execution again once the lease lapses.
+
+Kernel calls always run on the event loop the context was activated on (the
+"owner" loop), whose thread owns the kernel client's pooled connections and
+locks. A tool may run on another loop -- frameworks run a sync tool in a worker
+thread that calls `asyncio.run(async_tool())`, and the context variable follows
+it there -- so a call made on another thread is handed to the owner loop.
 """
 
 from __future__ import annotations
@@ -15,18 +24,22 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 
 from rebuno_proto import Lease, Meaning, interpret
 
 from ..errors import (
     Blocked,
+    KernelUnreachable,
     LeaseSuperseded,
     PolicyError,
     RateLimited,
@@ -39,6 +52,7 @@ from ._kernel_client import KernelClient, encode_json
 __all__ = ["ExecutionContext", "Result", "current", "execution", "offload", "previous"]
 
 log = logging.getLogger("rebuno.agent")
+T = TypeVar("T")
 
 
 @dataclass
@@ -78,8 +92,11 @@ class ExecutionContext:
         id: the execution id.
         agent_id: this agent.
         input: the execution's input, as fetched.
+        status: the execution's status, as fetched at dispatch (`running`...).
         lease: the `(dispatch_id, attempt)` this dispatch works under.
         suspension: a `Blocked` or `Terminated` met during the dispatch.
+        is_superseded: the kernel said the lease is superseded.
+        is_unreachable: a kernel call raised `KernelUnreachable`.
     """
 
     def __init__(
@@ -91,15 +108,22 @@ class ExecutionContext:
         lease: Lease,
         input: Any,
         on_lease_lost: Callable[[], None],
+        status: str = "running",
+        on_unreachable: Callable[[], None] | None = None,
     ) -> None:
         self._kernel = kernel
         self.id = execution_id
         self.agent_id = agent_id
         self.lease = lease
         self.input = input
+        self.status = status
         self.suspension: Blocked | Terminated | None = None
         self.is_superseded = False
+        self.is_unreachable = False
         self._on_lease_lost = on_lease_lost
+        self._on_unreachable = on_unreachable
+        self._owner_thread: int | None = None
+        self._owner_token: anyio.lowlevel.EventLoopToken | None = None
 
     @property
     def dispatch_id(self) -> str:
@@ -115,22 +139,61 @@ class ExecutionContext:
             self.is_superseded = True
             self._on_lease_lost()
 
-    async def _kernel_call(self, call: Awaitable[Any]) -> Any:
+    def unreachable(self) -> None:
+        """A kernel call failed for good: stop the handler, report nothing."""
+        if not self.is_unreachable:
+            self.is_unreachable = True
+            if self._on_unreachable is not None:
+                self._on_unreachable()
+
+    def bind_owner(self) -> None:
+        """Remember the thread and event loop the handler runs on (see `activate`)."""
+        self._owner_thread = threading.get_ident()
         try:
-            return await call
-        except LeaseSuperseded:
-            self.lease_lost()
-            raise
+            self._owner_token = anyio.lowlevel.current_token()
+        except anyio.NoEventLoopError:  # activated outside any loop: calls run where made
+            self._owner_token = None
+
+    async def _on_owner_loop(self, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Await `call()` on the owner loop.
+
+        On the owner thread that is a plain await. From another thread -- a loop
+        of its own, typically `asyncio.run` in a sync tool's worker thread -- the
+        pooled connections and locks of the kernel client must not be touched:
+        a worker thread of *this* loop blocks on `anyio.from_thread.run`, which
+        runs the call on the owner loop, while this loop keeps running.
+        """
+        token = self._owner_token
+        if token is None or threading.get_ident() == self._owner_thread:
+            return await call()
+        return await anyio.to_thread.run_sync(lambda: anyio.from_thread.run(call, token=token))
+
+    async def _kernel_call(self, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run a kernel call on the owner loop; a lost lease or an unreachable
+        kernel stops the handler (on the owner loop too: cancel scopes are not
+        thread-safe)."""
+
+        async def guarded() -> T:
+            try:
+                return await call()
+            except LeaseSuperseded:
+                self.lease_lost()
+                raise
+            except KernelUnreachable:
+                self.unreachable()
+                raise
+
+        return await self._on_owner_loop(guarded)
 
     async def previous(self) -> Any:
         """The state the session's previous execution left (None on the first)."""
-        return await self._kernel.previous_state(self.id)
+        return await self._kernel_call(lambda: self._kernel.previous_state(self.id))
 
     async def submit(
         self, *, kind: str, target: str, args: Any, idempotency: str
     ) -> tuple[str, dict[str, Any]]:
         decision = await self._kernel_call(
-            self._kernel.submit_step(
+            lambda: self._kernel.submit_step(
                 self.id, self.lease, kind=kind, target=target, args=args, idempotency=idempotency
             )
         )
@@ -183,6 +246,8 @@ class ExecutionContext:
         except (Blocked, Terminated, PolicyError, RateLimited, LeaseSuperseded):
             raise
         except Exception as err:
+            if isinstance(err, KernelUnreachable) and self.is_unreachable:
+                raise  # a nested step's kernel call failed, not the body itself
             # A result that cannot be recorded fails the step too: the next
             # attempt replays the same ToolError instead of finding it stuck.
             await self.fail_step_quietly(step_id, err)
@@ -190,7 +255,7 @@ class ExecutionContext:
                 raise
             raise ToolError(str(err), tool_id=target, step_id=step_id) from err
         await self._kernel_call(
-            self._kernel.complete_step_json(self.id, step_id, self.lease, result=encoded)
+            lambda: self._kernel.complete_step_json(self.id, step_id, self.lease, result=encoded)
         )
         return result
 
@@ -210,25 +275,32 @@ class ExecutionContext:
 
     async def record_llm(self, step_id: str, result: Any) -> None:
         await self._kernel_call(
-            self._kernel.complete_step(self.id, step_id, self.lease, result=result)
+            lambda: self._kernel.complete_step(self.id, step_id, self.lease, result=result)
         )
 
     async def publish_delta(self, step_id: str, seq: int, data: str) -> None:
         """Best effort: a live delta that fails is dropped."""
-        try:
-            await self._kernel.stream_delta(self.id, step_id, self.lease, seq=seq, data=data)
-        except LeaseSuperseded:
-            self.lease_lost()  # stop the handler now; the delta itself does not matter
-        except Exception:  # deltas are best effort by design
-            log.debug("stream delta for step %s dropped", step_id, exc_info=True)
+
+        async def send() -> None:
+            try:
+                await self._kernel.stream_delta(self.id, step_id, self.lease, seq=seq, data=data)
+            except LeaseSuperseded:
+                self.lease_lost()  # stop the handler now; the delta itself does not matter
+            except Exception:  # deltas are best effort by design (unreachable kernel too)
+                log.debug("stream delta for step %s dropped", step_id, exc_info=True)
+
+        await self._on_owner_loop(send)
 
     async def fail_step_quietly(self, step_id: str, error: BaseException) -> None:
-        """Record a body's failure; a lost lease propagates, other errors are logged."""
+        """Record a body's failure; a lost lease or an unreachable kernel
+        propagates, other errors are logged."""
         try:
             await self._kernel_call(
-                self._kernel.fail_step(self.id, step_id, self.lease, error={"message": str(error)})
+                lambda: self._kernel.fail_step(
+                    self.id, step_id, self.lease, error={"message": str(error)}
+                )
             )
-        except LeaseSuperseded:
+        except (LeaseSuperseded, KernelUnreachable):
             raise
         except Exception:  # the body's own error is what the caller sees
             log.exception("recording the failure of step %s failed", step_id)
@@ -242,19 +314,40 @@ def current() -> ExecutionContext | None:
     return _current.get()
 
 
-def execution() -> ExecutionContext:
-    """The active execution context.
+class _ExecutionAccessor:
+    """`execution()`: the active execution context.
+
+    A callable object rather than a function so that `execution.id` (the call
+    forgotten) says what is wrong instead of "'function' object has no
+    attribute 'id'".
 
     Raises:
         RuntimeError: called outside a handler's execution.
     """
-    ctx = _current.get()
-    if ctx is None:
-        raise RuntimeError(
-            "execution() called outside an execution: recording primitives work only "
-            "inside a handler run by Agent (agent.run(), agent.app)"
-        )
-    return ctx
+
+    __slots__ = ()
+
+    def __call__(self) -> ExecutionContext:
+        ctx = _current.get()
+        if ctx is None:
+            raise RuntimeError(
+                "execution() called outside an execution: recording primitives work only "
+                "inside a handler run by Agent (agent.run(), agent.app)"
+            )
+        return ctx
+
+    def __repr__(self) -> str:
+        return "<rebuno_anyio.execution: call it, execution(), for the active context>"
+
+    if not TYPE_CHECKING:  # at runtime only: type checkers still flag `execution.id`
+
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__") and name.endswith("__"):
+                raise AttributeError(name)  # protocol lookups (copy, pickle, inspect)
+            raise AttributeError(f"execution must be called: use execution().{name}")
+
+
+execution = _ExecutionAccessor()
 
 
 async def previous() -> Any:
@@ -263,7 +356,12 @@ async def previous() -> Any:
 
 
 def activate(ctx: ExecutionContext) -> Any:
-    """Make `ctx` the ambient context; returns the token to reset it."""
+    """Make `ctx` the ambient context; returns the token to reset it.
+
+    Called on the event loop the handler runs on, which becomes the context's
+    owner loop: kernel calls made from other threads are run there.
+    """
+    ctx.bind_owner()
     return _current.set(ctx)
 
 

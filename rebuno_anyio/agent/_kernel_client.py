@@ -5,23 +5,36 @@ lean h11 client (`rebuno_anyio._h11client`) with pooled keep-alive connections
 instead of httpx. Every request is signed: `v1=` by default (method, raw target,
 timestamp, lease and body), or the seeds' body-only `sha256=` form on request.
 Any status >= 300 raises the exception its envelope `code` names.
+
+A request whose connection is refused (the kernel restarting, say) was certainly
+not received, so it is sent again with a short exponential backoff for up to
+`min(timeout, 30)` seconds in all; a failure that remains -- still refused, a
+timeout, a connection lost mid-request -- raises `KernelUnreachable`.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from typing import Any, Final, Literal
 
+import anyio
+
 from rebuno_proto import Lease, sign_request, sign_webhook
 
-from .._h11client import HttpClient, HttpClientError
-from ..errors import NetworkError, NotFoundError, error_from_body
+from .._h11client import ConnectError, HttpClient, HttpClientError, TLSError
+from ..errors import KernelUnreachable, NotFoundError, error_from_body
 
 __all__ = ["KernelClient", "Signing", "encode_json"]
 
 Signing = Literal["v1", "body"]
 _JSON_HEADER: Final = ("Content-Type", "application/json")
+# Retrying a refused connection: the first pause, the longest, and the most time
+# spent on one call in all (never more than the client's timeout).
+RETRY_FIRST_S: Final = 0.05
+RETRY_MAX_S: Final = 1.0
+RETRY_BUDGET_S: Final = 30.0
 
 
 def encode_json(value: Any, what: str = "value") -> bytes:
@@ -45,6 +58,8 @@ class KernelClient:
         base_url: the kernel's URL (a path prefix is kept and signed).
         timeout: seconds per request.
         signing: `"v1"` (default) or `"body"` (the seeds' `sha256=` body form).
+        ssl_context: for an `https://` kernel, the context that verifies it (a
+            private CA, say); default: the system's trusted CAs.
     """
 
     def __init__(
@@ -55,20 +70,22 @@ class KernelClient:
         base_url: str,
         timeout: float = 35.0,
         signing: Signing = "v1",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if signing not in ("v1", "body"):
             raise ValueError(f"signing must be 'v1' or 'body', got {signing!r}")
         self.agent_id = agent_id
         self._secret = secret.encode("utf-8")
         self._signing = signing
-        self._http = HttpClient(base_url, timeout=timeout)
+        self._http = HttpClient(base_url, timeout=timeout, ssl_context=ssl_context)
+        self._retry_budget_s = min(timeout, RETRY_BUDGET_S)
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(
-        self, method: str, path: str, body: bytes = b"", lease: Lease | None = None
-    ) -> bytes:
+    def _headers(
+        self, method: str, path: str, body: bytes, lease: Lease | None
+    ) -> list[tuple[str, str]]:
         headers = [_JSON_HEADER, ("Rebuno-Agent-Id", self.agent_id)]
         if lease is not None:
             headers.append(("Rebuno-Dispatch-Id", lease.dispatch_id))
@@ -88,10 +105,45 @@ class KernelClient:
         else:
             signature = sign_webhook(self._secret, body)
         headers.append(("Rebuno-Signature", signature))
-        try:
-            response = await self._http.request(method, path, headers=headers, body=body)
-        except HttpClientError as err:
-            raise NetworkError(f"{method} {path}: {err}") from err
+        return headers
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        lease: Lease | None = None,
+        *,
+        retry: bool = True,
+    ) -> bytes:
+        """Send a signed request; return the body of a 2xx answer.
+
+        Raises:
+            KernelUnreachable: no answer (see the module docstring); with
+                `retry=False` a refused connection is not retried.
+            RebunoError: the exception the error envelope's `code` names.
+        """
+        deadline: float | None = None  # set at the first refusal: the hot path skips it
+        pause = RETRY_FIRST_S
+        while True:
+            headers = self._headers(method, path, body, lease)  # a fresh timestamp each time
+            try:
+                response = await self._http.request(method, path, headers=headers, body=body)
+                break
+            except TLSError as err:
+                raise KernelUnreachable(f"{method} {path}: {err}") from err
+            except ConnectError as err:
+                # Refused: the kernel never saw the request, so sending it again is safe.
+                now = anyio.current_time()
+                if deadline is None:
+                    deadline = now + self._retry_budget_s
+                remaining = deadline - now
+                if not retry or remaining <= 0:
+                    raise KernelUnreachable(f"{method} {path}: {err}") from err
+                await anyio.sleep(min(pause, remaining))
+                pause = min(pause * 2, RETRY_MAX_S)
+            except HttpClientError as err:
+                raise KernelUnreachable(f"{method} {path}: {err}") from err
         if response.status >= 300:
             try:
                 parsed = json.loads(response.body) if response.body else None
@@ -188,8 +240,13 @@ class KernelClient:
         self, execution_id: str, step_id: str, lease: Lease, *, seq: int, data: str
     ) -> None:
         body = encode_json({"seq": seq, "data": data})
+        # Best effort: a live delta is not worth holding the stream up for a retry.
         await self._call(
-            "POST", f"/v0/executions/{execution_id}/steps/{step_id}/stream", body, lease
+            "POST",
+            f"/v0/executions/{execution_id}/steps/{step_id}/stream",
+            body,
+            lease,
+            retry=False,
         )
 
     async def heartbeat(self, execution_id: str, lease: Lease) -> None:

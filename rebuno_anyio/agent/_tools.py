@@ -5,6 +5,10 @@ Each call becomes a durable step: its arguments go to the kernel, which decides
 `replay` the recorded result comes back and the body never runs. A tool turns a
 policy denial into the refusal string the published SDK returns, so a model can
 read it; `step()` lets `PolicyError` propagate.
+
+`resources=` is accepted everywhere the published SDK takes it, so ported code
+runs, and ignored: this runtime records no resource snapshots or checkpoints
+(see docs/tools.md).
 """
 
 from __future__ import annotations
@@ -74,11 +78,21 @@ def _wrap(fn: Callable[..., Any], tool_id: str, idempotency: str) -> Callable[..
 def tool(name: F, /) -> F: ...
 @overload
 def tool(
-    name: str | None = None, /, *, idempotency: Idempotency = "safe_to_retry"
+    name: str | None = None,
+    /,
+    *,
+    idempotency: Idempotency = "safe_to_retry",
+    resources: list[str] | None = None,
 ) -> Callable[[F], F]: ...
 
 
-def tool(name: Any = None, /, *, idempotency: Idempotency = "safe_to_retry") -> Any:
+def tool(
+    name: Any = None,
+    /,
+    *,
+    idempotency: Idempotency = "safe_to_retry",
+    resources: list[str] | None = None,
+) -> Any:
     """Make a function a durable tool: `@tool`, `@tool()`, `@tool("id")` or
     `@tool("id", idempotency="at_most_once")`.
 
@@ -87,6 +101,8 @@ def tool(name: Any = None, /, *, idempotency: Idempotency = "safe_to_retry") -> 
     synchronous function runs in a worker thread. `at_most_once` marks a body
     that must not run twice: if a crash leaves its outcome unknown, the next
     attempt gets `ToolError` ("outcome unknown") instead of running it again.
+    `resources` is accepted for code written against the published SDK, and
+    ignored (resources and checkpoints are not supported).
     """
     _check_idempotency(idempotency)
     if callable(name):
@@ -107,6 +123,7 @@ def wrap_tool(
     idempotency: Idempotency = "safe_to_retry",
     to_result: Callable[[Any], Any] | None = None,
     transform_args: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    resources: list[str] | None = None,
 ) -> Callable[..., Any]:
     """Route a tool that is not a plain function (a framework tool object, an
     MCP tool) through the kernel.
@@ -121,6 +138,8 @@ def wrap_tool(
         to_result: maps `invoke`'s return value to what is recorded.
         transform_args: maps the caller's keyword arguments before they are
             recorded and passed to `invoke`.
+        resources: accepted for code written against the published SDK, and
+            ignored (resources and checkpoints are not supported).
     """
     _check_idempotency(idempotency)
     schema = args_schema or {}
@@ -165,12 +184,14 @@ async def step(
     args: dict[str, Any] | None = None,
     *,
     idempotency: Idempotency = "safe_to_retry",
+    resources: list[str] | None = None,
 ) -> Any:
     """Record non-deterministic local work (the clock, random choices, new ids)
     as a durable `local` step named `name`, so a replay sees the same value.
 
     `fn(**args)` runs only the first time; `args` (default `{}`) also identify
-    the step. A policy denial raises `PolicyError`.
+    the step. A policy denial raises `PolicyError`. `resources` is accepted for
+    code written against the published SDK, and ignored.
     """
     _check_idempotency(idempotency)
     ctx = _context(f"step({name!r})")
