@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import httpx
 import httpx2
 import pytest
@@ -477,6 +479,25 @@ async def test_create_refuses_bad_bodies_naming_the_field(
         ),
         ({"id": "x", "webhook_url": "http://a/b"}, "secret: is required"),
         ({"id": "x", "webhook_url": "http://a/b", "secret": 5}, "secret: must be a string"),
+        # URLs the wire parser lets through but the dispatcher's HTTP client
+        # refuses: refused here, not when the webhook is sent.
+        ({"id": "x", "webhook_url": "http://h:abc/", "secret": "s"}, "webhook_url: is not a valid"),
+        ({"id": "x", "webhook_url": "http://[::1/", "secret": "s"}, "webhook_url: is not a valid"),
+        (
+            {"id": "x", "webhook_url": "http://xn--zz/", "secret": "s"},
+            "webhook_url: is not a valid",
+        ),
+        (
+            {"id": "x", "webhook_url": "http://x\u0000y/", "secret": "s"},
+            "webhook_url: must not contain whitespace or control characters",
+        ),
+        (
+            {"id": "x", "webhook_url": "http://x/\u007f", "secret": "s"},
+            "webhook_url: must not contain whitespace or control characters",
+        ),
+        ({"id": "x", "webhook_url": "http://:80/w", "secret": "s"}, "webhook_url: has no host"),
+        ({"id": "x", "webhook_url": "http://h:99999/", "secret": "s"}, "webhook_url: port must"),
+        ({"id": "x", "webhook_url": "http://h:0/", "secret": "s"}, "webhook_url: port must"),
     ],
 )
 async def test_register_refuses_bad_bodies_naming_the_field(
@@ -1515,6 +1536,74 @@ async def test_invalid_policy_is_400_naming_rule_and_field(
     reply = await h.call("POST", f"/v0/policies/{AGENT}", {"bundle": bundle})
     assert_error(reply, 400, "validation_error", "invalid policy bundle", *needles)
     assert ok(await h.call("GET", f"/v0/policies/{AGENT}"))["bundle"] is None
+
+
+MAX_BUNDLE = 262_144
+
+
+def padded(size: int, pad: str = "x") -> str:
+    """A valid bundle of exactly `size` UTF-8 bytes (a YAML comment pads it)."""
+    head = "default_action: allow\n# "
+    count = (size - len(head.encode())) // len(pad.encode())
+    text = head + pad * count
+    text += "x" * (size - len(text.encode()))
+    assert len(text.encode()) == size
+    return text
+
+
+async def test_policy_bundles_are_at_most_256_kib(h: Harness) -> None:
+    ok(await h.call("POST", f"/v0/policies/{AGENT}", {"bundle": padded(MAX_BUNDLE)}), 204)
+    for bundle in (padded(MAX_BUNDLE + 1), padded(MAX_BUNDLE + 1, "€")):  # bytes, not characters
+        reply = await h.call("POST", f"/v0/policies/{AGENT}", {"bundle": bundle})
+        assert_error(reply, 400, "validation_error", f"bundle exceeds {MAX_BUNDLE} bytes")
+    # A body too big to hold an acceptable bundle is refused before it is parsed.
+    huge = b'{"bundle": "' + b"x" * (7 * MAX_BUNDLE) + b'"}'
+    reply = await h.call("POST", f"/v0/policies/{AGENT}", huge)
+    assert_error(reply, 400, "validation_error", f"bundle exceeds {MAX_BUNDLE} bytes")
+    # Escapes count as what they stand for: a bundle of control characters
+    # (six bytes each in JSON) at the limit is not refused for its size.
+    escaped = json.dumps({"bundle": "\x01" * MAX_BUNDLE}).encode()
+    assert len(escaped) > 6 * MAX_BUNDLE
+    reply = await h.call("POST", f"/v0/policies/{AGENT}", escaped)
+    assert_error(reply, 400, "validation_error", "invalid policy bundle")
+    assert ok(await h.call("GET", f"/v0/policies/{AGENT}"))["bundle"] == padded(MAX_BUNDLE)
+
+
+async def test_policy_validation_does_not_block_the_event_loop(anyio_backend: str) -> None:
+    """The loader runs in a worker thread: while it works, other requests are
+    answered."""
+    import threading
+
+    entered = anyio.Event()
+    finish = threading.Event()
+    token = anyio.lowlevel.current_token()
+
+    loop_thread = threading.get_ident()
+
+    def slow_loader(text: str) -> object:
+        # (On the event loop's own thread, waiting below would freeze it.)
+        assert threading.get_ident() != loop_thread, "the loader runs on the event loop"
+        anyio.from_thread.run_sync(entered.set, token=token)
+        assert finish.wait(timeout=10), "the test never let the loader finish"
+        return compile_bundle_text(text)
+
+    harness = Harness(policy_loader=slow_loader)
+    await harness.register(AGENT)
+    replies: list[Reply] = []
+
+    async def upload() -> None:
+        replies.append(await harness.call("POST", f"/v0/policies/{AGENT}", {"bundle": POLICY}))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(upload)
+            await entered.wait()
+            # The loader is still running; the kernel still answers.
+            assert ok(await harness.call("GET", "/v0/health")) == {"status": "ok"}
+            assert ok(await harness.call("GET", f"/v0/agents/{AGENT}"))["has_policy"] is False
+            finish.set()
+    ok(replies[0], 204)
+    assert ok(await harness.call("GET", f"/v0/policies/{AGENT}"))["bundle"] == POLICY
 
 
 async def test_policy_without_a_loader_is_501(anyio_backend: str) -> None:

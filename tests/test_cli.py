@@ -13,10 +13,12 @@ import hmac
 import json
 import re
 import shlex
+import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -553,6 +555,16 @@ def test_dev_registers_the_manifest(tmp_path: Path) -> None:
         assert created["input"] == "hi"
 
 
+@contextmanager
+def taken_port() -> Iterator[str]:
+    """A port something listens on: a `dev` run in process that should be
+    refused, but is not, fails to listen instead of serving for ever."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield str(sock.getsockname()[1])
+
+
 HELLO = "agents:\n  - id: hello\n    webhook_url: http://x/w\n    secret: s\n"
 
 
@@ -592,14 +604,118 @@ HELLO = "agents:\n  - id: hello\n    webhook_url: http://x/w\n    secret: s\n"
         ),
         ("agents: [1\n", ["not valid YAML"]),
         ("- just a list\n", ["top level"]),
+        # URLs the dispatcher's HTTP client would refuse at every delivery.
+        (
+            "agents:\n  - id: a\n    webhook_url: 'http://h:abc/'\n    secret: s\n",
+            ["agent 'a'", "webhook_url: is not a valid URL", "http://h:abc/"],
+        ),
+        (
+            'agents:\n  - id: a\n    webhook_url: "http://x\\0y/"\n    secret: s\n',
+            ["agent 'a'", "webhook_url: must not contain", "control characters"],
+        ),
+        (
+            "agents:\n  - id: a\n    webhook_url: 'http://[::1/'\n    secret: s\n",
+            ["agent 'a'", "webhook_url: is not a valid URL"],
+        ),
+        ("agents: " + "[" * 5000 + "]" * 5000 + "\n", ["nested too deeply"]),
+        ("agents:\n  - id: a\n    secret: " + "[" * 5000 + "]" * 5000 + "\n", ["nested too"]),
     ],
 )
 def test_dev_rejects_a_bad_manifest(tmp_path: Path, manifest: str, needles: list[str]) -> None:
     path = tmp_path / "manifest.yaml"
     path.write_text(manifest)
     db = tmp_path / "never.db"
-    fails(rebuno(None, "dev", "--db", str(db), "--port", "0", "--config", str(path)), *needles)
+    with taken_port() as port:
+        result = rebuno(None, "dev", "--db", str(db), "--port", port, "--config", str(path))
+    fails(result, *needles)
     assert not db.exists()  # refused before anything started
+
+
+def test_dev_rejects_a_manifest_that_is_not_utf8(tmp_path: Path) -> None:
+    db = tmp_path / "never.db"
+    path = tmp_path / "manifest.yaml"
+    path.write_bytes(b"agents:\n  - id: \xff\xfe\n")
+    with taken_port() as port:
+        args = ["dev", "--db", str(db), "--port", port, "--config", str(path)]
+        fails(rebuno(None, *args), "manifest", "is not UTF-8")
+        path.write_bytes(HELLO.encode() + b"    policy_file: p.yaml\n")
+        (tmp_path / "p.yaml").write_bytes(b"default_action: \xff\n")
+        fails(rebuno(None, *args), "agent 'hello'", "policy_file", "is not UTF-8")
+    assert not db.exists()
+
+
+def test_dev_reports_an_unusable_db_or_port_in_one_line(tmp_path: Path) -> None:
+    """Errors raised inside the kernel's task groups arrive wrapped in
+    exception groups: still one line and exit 1, never a traceback."""
+    missing = tmp_path / "no-such-dir" / "x.db"
+    fails(
+        rebuno(None, "dev", "--db", str(missing), "--port", "0"),
+        "cannot create",
+        "does not exist",
+    )
+    fails(
+        rebuno(None, "dev", "--db", "postgres://db/rebuno", "--port", "0"),
+        "--db",
+        "PostgreSQL",
+        code=2,
+    )
+    db = tmp_path / "taken.db"
+    with running(Kernel(db)) as first:
+        fails(
+            rebuno(None, "dev", "--db", str(db), "--port", "0"),
+            "in use by another rebuno kernel",
+        )
+        fails(
+            rebuno(None, "dev", "--db", ":memory:", "--port", str(first.port)),
+            f"cannot listen on 127.0.0.1:{first.port}",
+        )
+    # Through the real entry point as well: no traceback on stderr.
+    run = subprocess.run(
+        [PYTHON, "-m", "rebuno_anyio.cli", "dev", "--db", str(missing), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    (line,) = run.stderr.strip().splitlines()  # one line
+    assert line.startswith(f"Error: cannot create {missing}: "), line
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needles"),
+    [
+        (["exec", "create", "a", "1e999999"], {}, ["JSON", "out of range"]),
+        (["exec", "create", "a", '{"x": NaN}'], {}, ["JSON", "NaN is not a JSON number"]),
+        (["exec", "create", "a", "[" * 5000 + "]" * 5000], {}, ["JSON", "nested too deeply"]),
+        (["exec", "list", "--url", "http://[::1"], {}, ["--url", "not a valid URL"]),
+        (["exec", "list", "--url", "ftp://kernel"], {}, ["--url", "http:// or https://"]),
+        (["exec", "list"], {"REBUNO_URL": "http://h:abc"}, ["--url", "not a valid URL"]),
+        (
+            [
+                "agents",
+                "register",
+                "a",
+                "--url",
+                "http://a/",
+                "--secret",
+                "s",
+                "--kernel",
+                "http://[::1",
+            ],
+            {},
+            ["--kernel", "not a valid URL"],
+        ),
+        (["exec", "list", "--api-key", "ключ"], {}, ["--api-key", "printable ASCII"]),
+        (["exec", "list", "--api-key", "tok\nen"], {}, ["--api-key", "printable ASCII"]),
+        (["exec", "list"], {"REBUNO_API_KEY": "clé"}, ["--api-key", "printable ASCII"]),
+    ],
+)
+def test_client_arguments_that_cannot_be_sent_are_usage_errors(
+    args: list[str], env: dict[str, str], needles: list[str]
+) -> None:
+    fails(rebuno(None, *args, env={"REBUNO_URL": "http://127.0.0.1:9", **env}), *needles, code=2)
 
 
 def test_dev_with_memory_db_and_options(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,34 @@ def test_agent_url_change_and_unreachable_agent_backoff(kernel: Kernel, tmp_path
     assert attempts[-1][1] >= 2
     assert all(kind == "dispatch.failed" for kind, _ in attempts[:-1])
     assert lines(counter) == ["late work 0", "late finish"]
+
+
+def test_a_stored_url_httpx_refuses_does_not_stop_the_kernel(tmp_path: Path) -> None:
+    """A webhook URL stored before registration checked it (here written into
+    the database between two runs) fails each delivery; the kernel keeps
+    serving, across a restart too, and exits cleanly."""
+    db = tmp_path / "legacy.db"
+    with running(Kernel(db)) as first:
+        first.register("legacy", "http://127.0.0.1:9/webhook", SECRET)
+        status, body = first.call(
+            "POST",
+            "/v0/agents",
+            {"id": "legacy", "webhook_url": "http://h:abc/", "secret": SECRET},
+        )
+        assert status == 400, body
+        assert "webhook_url" in body["message"], body
+        assert reap(first, graceful=True) == 0
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE agents SET webhook_url = 'http://h:abc/' WHERE id = 'legacy'")
+    conn.close()
+    for _ in range(2):  # and again after a restart
+        with running(Kernel(db, extra=["--max-attempts", "2", "--backoff-base", "0"])) as proc:
+            execution_id = create(proc, "legacy", {"n": 1})
+            done = proc.wait_terminal(execution_id, timeout=30)
+            assert done["failure_reason"] == "dispatch_exhausted", done
+            assert proc.call("GET", "/v0/health") == (200, {"status": "ok"})
+            assert reap(proc, graceful=True) == 0, "\n".join(proc.lines[-20:])
+            assert not any("Traceback" in line for line in proc.lines), proc.lines
 
 
 # -- in process, on asyncio and on trio ------------------------------------------------------

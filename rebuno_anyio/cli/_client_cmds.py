@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import anyio
 import click
+import httpx
 from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
@@ -42,19 +44,77 @@ _STATUS_STYLE = {
 }
 
 
-def _client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(fn)
-    fn = click.option(
-        "--api-key", envvar="REBUNO_API_KEY", default="", help="Bearer token. Env: REBUNO_API_KEY."
-    )(fn)
-    fn = click.option(
-        "--url",
+def _kernel_url(ctx: click.Context | None, param: click.Parameter | None, value: str) -> str:
+    """`--url`: a URL httpx can send to (`http://[::1` is not)."""
+    try:
+        url = httpx.URL(value)
+        scheme, host = url.scheme, url.host
+    except (httpx.InvalidURL, ValueError, TypeError) as err:  # IDNA errors are ValueErrors
+        raise click.BadParameter(f"not a valid URL ({err}): {value!r}") from None
+    if scheme not in ("http", "https") or not host:
+        raise click.BadParameter(f"must be an http:// or https:// URL with a host, got {value!r}")
+    return value
+
+
+def _api_key(ctx: click.Context | None, param: click.Parameter | None, value: str) -> str:
+    """`--api-key`: it travels in an HTTP header, so printable ASCII only."""
+    bad = next((c for c in value if not (c.isascii() and c.isprintable())), None)
+    if bad is not None:
+        raise click.BadParameter(
+            f"a bearer token must be printable ASCII (it is sent in a header), got {bad!r}"
+        )
+    return value
+
+
+def _url_option(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        *names,
         envvar="REBUNO_URL",
         default="http://127.0.0.1:8080",
         show_default=True,
+        callback=_kernel_url,
         help="Kernel URL. Env: REBUNO_URL.",
+    )
+
+
+def _api_key_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--api-key",
+        envvar="REBUNO_API_KEY",
+        default="",
+        callback=_api_key,
+        help="Bearer token. Env: REBUNO_API_KEY.",
     )(fn)
+
+
+def _client_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(fn)
+    fn = _api_key_option(fn)
+    fn = _url_option("--url")(fn)
     return fn
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _json_argument(text: str) -> Any:
+    """Parse a JSON argument as the kernel would: no NaN/Infinity, no numbers
+    that overflow to infinity (`1e999999`), no nesting past the interpreter's
+    limit."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise click.BadParameter("not valid JSON: nested too deeply", param_hint="JSON") from None
+    except ValueError as err:
+        raise click.BadParameter(f"not valid JSON: {err}", param_hint="JSON") from None
 
 
 def _run(url: str, api_key: str, work: Callable[[Client], Awaitable[T]]) -> T:
@@ -70,6 +130,10 @@ def _run(url: str, api_key: str, work: Callable[[Client], Awaitable[T]]) -> T:
         raise click.ClickException(f"execution is already terminal: {err}") from None
     except RebunoError as err:
         raise click.ClickException(str(err)) from None
+    except httpx.InvalidURL as err:  # the options are checked; this is a last resort
+        raise click.ClickException(f"invalid kernel URL {url!r}: {err}") from None
+    except RecursionError:
+        raise click.ClickException("the request is nested too deeply to send") from None
 
 
 def _console() -> Console:
@@ -212,12 +276,7 @@ def exec_create(
     as_json: bool,
 ) -> None:
     """Start an execution of AGENT with an optional JSON input."""
-    value: Any = None
-    if input_json is not None:
-        try:
-            value = json.loads(input_json)
-        except ValueError as err:
-            raise click.BadParameter(f"not valid JSON: {err}", param_hint="JSON") from None
+    value: Any = None if input_json is None else _json_argument(input_json)
 
     async def work(client: Client) -> Execution:
         created = await client.create(
@@ -388,17 +447,8 @@ def agents_list(url: str, api_key: str, as_json: bool) -> None:
 @click.argument("agent_id")
 @click.option("--url", "webhook_url", required=True, help="The agent's webhook URL.")
 @click.option("--secret", required=True, help="The shared secret the agent signs with.")
-@click.option(
-    "--kernel",
-    "url",
-    envvar="REBUNO_URL",
-    default="http://127.0.0.1:8080",
-    show_default=True,
-    help="Kernel URL. Env: REBUNO_URL.",
-)
-@click.option(
-    "--api-key", envvar="REBUNO_API_KEY", default="", help="Bearer token. Env: REBUNO_API_KEY."
-)
+@_url_option("--kernel", "url")
+@_api_key_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def agents_register(
     agent_id: str, webhook_url: str, secret: str, url: str, api_key: str, as_json: bool

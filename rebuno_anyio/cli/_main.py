@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -137,12 +138,29 @@ def _run(config: KernelConfig, log_level: str, *, banner: str) -> None:
 
     try:
         anyio.run(main)
-    except StoreError as err:
-        raise click.ClickException(str(err)) from None
-    except OSError as err:
+    except Exception as err:
+        # Task groups wrap what fails inside them in exception groups: look at
+        # what they hold. Expected failures (the database cannot be used, the
+        # port cannot be bound) are one line; anything else keeps its traceback.
+        leaves = list(_leaves(err))
+        if not all(isinstance(e, StoreError | OSError) for e in leaves):
+            raise
+        first = leaves[0]
+        if isinstance(first, StoreError):
+            raise click.ClickException(str(first)) from None
+        assert isinstance(first, OSError)
         raise click.ClickException(
-            f"cannot listen on {config.host}:{config.port}: {err.strerror}"
+            f"cannot listen on {config.host}:{config.port}: {first.strerror or first}"
         ) from None
+
+
+def _leaves(err: BaseException) -> Iterator[BaseException]:
+    """The exceptions inside (nested) exception groups, or `err` itself."""
+    if isinstance(err, BaseExceptionGroup):
+        for inner in err.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield err
 
 
 def _config(
@@ -159,6 +177,12 @@ def _config(
     synchronous: str,
     **extra: Any,
 ) -> KernelConfig:
+    if "://" in db and db != "memory://":
+        raise click.BadParameter(
+            f"must be a SQLite file path, ':memory:' or 'memory://' "
+            f"(this build has no PostgreSQL), got {db!r}",
+            param_hint="--db",
+        )
     if backoff_max < backoff_base:
         raise click.UsageError(
             f"--backoff-max ({backoff_max}) must be at least --backoff-base ({backoff_base})"

@@ -21,6 +21,7 @@ from typing import Final
 from urllib.parse import unquote
 
 import anyio
+import anyio.to_thread
 
 from rebuno_proto import (
     ApprovalChoice,
@@ -64,6 +65,7 @@ from rebuno_proto._jsonout import RawJSON
 from .._http import Request, Response
 from ._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ._service import Kernel
+from ._urls import webhook_url_problem
 
 __all__ = ["KernelAPI", "PolicyLoader"]
 
@@ -73,7 +75,14 @@ _STATUSES: Final = frozenset({"pending", "running", "blocked", "completed", "fai
 _APPROVAL_STATUSES: Final = frozenset({"pending", "granted", "denied", "expired"})
 
 #: Validates a raw policy bundle (YAML text); raises `ValueError` naming what is wrong.
+#: Runs in a worker thread (a big bundle takes a while to check).
 PolicyLoader = Callable[[str], object]
+
+#: The largest policy bundle accepted, in UTF-8 bytes.
+MAX_BUNDLE_BYTES: Final = 256 * 1024
+#: A JSON body longer than this cannot carry a bundle within the limit (each
+#: byte of it is at most six bytes in JSON: `\u0001`).
+_MAX_POLICY_BODY: Final = 6 * MAX_BUNDLE_BYTES + 4096
 
 
 class _Fail(Exception):
@@ -227,6 +236,7 @@ class KernelAPI:
         self.principals = dict(principals or {})
         self.allow_body_form = allow_body_form
         self.policy_loader = policy_loader
+        self._policy_threads = anyio.CapacityLimiter(2)
         self._by_shape: dict[tuple[str, int], list[_Route]] = {}
         self._paths: dict[int, list[_Route]] = {}
         for route in _ROUTES:
@@ -589,6 +599,9 @@ class KernelAPI:
         self, request: Request, caller: _Caller, params: list[str]
     ) -> Response:
         reg = parse_agent_registration(request.body)
+        problem = webhook_url_problem(reg.webhook_url)
+        if problem is not None:
+            raise _Fail(ErrorCode.VALIDATION_ERROR, f"webhook_url: {problem}")
         # One transaction: a metadata or policy write racing a re-registration
         # must not be lost (a lost policy would let the agent run unchecked).
         agent = await self.kernel.register_agent(
@@ -616,11 +629,21 @@ class KernelAPI:
 
     @_route("POST", "/v0/policies/{agent_id}", "bearer")
     async def load_policy(self, request: Request, caller: _Caller, params: list[str]) -> Response:
+        too_big = f"bundle exceeds {MAX_BUNDLE_BYTES} bytes"
+        if len(request.body) > _MAX_POLICY_BODY:
+            raise _Fail(ErrorCode.VALIDATION_ERROR, too_big)
         upload = parse_policy_upload(request.body)
+        if len(upload.bundle.encode("utf-8", "surrogatepass")) > MAX_BUNDLE_BYTES:
+            raise _Fail(ErrorCode.VALIDATION_ERROR, too_big)
         if self.policy_loader is None:
             raise _Fail(ErrorCode.NOT_IMPLEMENTED, "this kernel does not enforce policy bundles")
         try:
-            self.policy_loader(upload.bundle)
+            # In a worker thread: checking a bundle is CPU work that would stall
+            # every other request. Its own limiter: uploads must not take the
+            # threads the SQLite store needs.
+            await anyio.to_thread.run_sync(
+                self.policy_loader, upload.bundle, limiter=self._policy_threads
+            )
         except ValueError as err:
             raise _Fail(ErrorCode.VALIDATION_ERROR, f"invalid policy bundle: {err}") from None
         if await self.kernel.update_agent(params[0], policy=upload.bundle) is None:

@@ -21,6 +21,8 @@ import yaml
 
 from rebuno_proto import MessageError, dumps, parse_agent_registration
 
+from ._urls import webhook_url_problem
+
 __all__ = ["ManifestAgent", "ManifestError", "load_manifest"]
 
 _AGENT_KEYS = frozenset({"id", "webhook_url", "secret", "policy", "policy_file"})
@@ -49,8 +51,21 @@ def load_manifest(path: str) -> list[ManifestAgent]:
             data = yaml.safe_load(f)
     except OSError as err:
         raise ManifestError(f"cannot read manifest {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ManifestError(
+            f"manifest {path} is not UTF-8 text (byte {err.start}: {err.reason})"
+        ) from None
     except yaml.YAMLError as err:
         raise ManifestError(f"manifest {path} is not valid YAML: {err}") from None
+    except RecursionError:
+        raise ManifestError(f"manifest {path}: nested too deeply") from None
+    try:
+        return _agents(data, path)
+    except RecursionError:  # a deep value in an entry (dumping it, or a policy)
+        raise ManifestError(f"manifest {path}: nested too deeply") from None
+
+
+def _agents(data: Any, path: str) -> list[ManifestAgent]:
     if data is None:
         return []
     if not isinstance(data, dict) or set(data) - {"agents"}:
@@ -84,6 +99,9 @@ def _agent(entry: Any, index: int, path: str, base: str) -> ManifestAgent:
         reg = parse_agent_registration(dumps(body).encode("utf-8"))  # type: ignore[arg-type]
     except MessageError as err:
         raise ManifestError(f"{where}: {err}") from None
+    problem = webhook_url_problem(reg.webhook_url)
+    if problem is not None:
+        raise ManifestError(f"{where}: webhook_url: {problem}")
     if "policy" in entry and "policy_file" in entry:
         raise ManifestError(f"{where}: give policy or policy_file, not both")
     policy: str | None = None
@@ -97,5 +115,9 @@ def _agent(entry: Any, index: int, path: str, base: str) -> ManifestAgent:
         except OSError as err:
             raise ManifestError(
                 f"{where}: cannot read policy_file {file}: {err.strerror}"
+            ) from None
+        except UnicodeDecodeError as err:
+            raise ManifestError(
+                f"{where}: policy_file {file} is not UTF-8 text (byte {err.start}: {err.reason})"
             ) from None
     return ManifestAgent(id=reg.id, webhook_url=reg.webhook_url, secret=reg.secret, policy=policy)

@@ -84,6 +84,17 @@ def _not_found(what: str = "execution") -> Refusal:
     return Refusal(ErrorCode.NOT_FOUND, f"{what} not found")
 
 
+class _Waiters:
+    """The long polls waiting for an execution's next event: one event they
+    all wait on, and how many they are (the last to leave removes it)."""
+
+    __slots__ = ("count", "event")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.count = 0
+
+
 class Kernel:
     """Runs kernel commands against a store.
 
@@ -115,7 +126,7 @@ class Kernel:
         self.metrics = KernelMetrics()
         self._agents: dict[str, Agent] = {}
         self._agent_writes = 0  # agent writes completed (tells a read its value is stale)
-        self._event_waiters: dict[str, anyio.Event] = {}
+        self._event_waiters: dict[str, _Waiters] = {}  # long polls, by execution
         self.on_dispatch_due: Callable[[float], None] = lambda at: None
         self.on_timer_due: Callable[[float], None] = lambda at: None
 
@@ -130,13 +141,20 @@ class Kernel:
                 tx.apply(outcome.change)
             return outcome
 
-        try:
-            outcome = await self.store.run(run)
-        except Exception:
-            self.metrics.command(ok=False)
-            raise
-        self.metrics.command(ok=True)
-        self._after_commit(outcome)
+        # Shielded: once the command is queued it commits whether or not its
+        # caller is still waiting (the SQLite store shields its batch and runs
+        # abandoned commands too), so the caller must stay for the wake-ups
+        # after the commit -- a cancelled request would otherwise leave a new
+        # dispatch unannounced until the next poll, an approval timer unarmed
+        # and long polls asleep. Nothing here awaits anything else.
+        with anyio.CancelScope(shield=True):
+            try:
+                outcome = await self.store.run(run)
+            except Exception:
+                self.metrics.command(ok=False)
+                raise
+            self.metrics.command(ok=True)
+            self._after_commit(outcome)
         return outcome.reply
 
     async def _on_execution(
@@ -186,7 +204,7 @@ class Kernel:
             for execution_id in {e.execution_id for e in outcome.change.events}:
                 waiter = self._event_waiters.pop(execution_id, None)
                 if waiter is not None:
-                    waiter.set()
+                    waiter.event.set()
 
     async def read(self, fn: Callable[[Tx], R]) -> R:
         """Run a read-only query in a transaction."""
@@ -223,15 +241,21 @@ class Kernel:
             self._agents[agent_id] = found
         return found
 
-    def _agent_written(self, agent_id: str) -> None:
-        """Forget the cached agent after a committed write (the next read reloads
-        it); a read still in flight will not cache what it saw before."""
-        self._agent_writes += 1
-        self._agents.pop(agent_id, None)
+    async def _write_agent(self, agent_id: str, fn: Callable[[Tx], R]) -> R:
+        """Run an agent write, then forget the cached agent (the next read
+        reloads it); a read still in flight will not cache what it saw before.
+        Shielded like `_command`: a write that committed must not leave the
+        old agent (its old secret, URL or policy) in the cache."""
+        with anyio.CancelScope(shield=True):
+            try:
+                result = await self.store.run(fn)
+            finally:
+                self._agent_writes += 1
+                self._agents.pop(agent_id, None)
+        return result
 
     async def put_agent(self, agent: Agent) -> None:
-        await self.store.run(lambda tx: tx.put_agent(agent))
-        self._agent_written(agent.id)
+        await self._write_agent(agent.id, lambda tx: tx.put_agent(agent))
 
     async def register_agent(self, agent_id: str, *, webhook_url: str, secret: str) -> Agent:
         """Register an agent, or change its URL and secret, in one transaction:
@@ -249,14 +273,10 @@ class Kernel:
             tx.put_agent(agent)
             return agent
 
-        agent = await self.store.run(run)
-        self._agent_written(agent_id)
-        return agent
+        return await self._write_agent(agent_id, run)
 
     async def delete_agent(self, agent_id: str) -> bool:
-        found = await self.store.run(lambda tx: tx.delete_agent(agent_id))
-        self._agent_written(agent_id)
-        return found
+        return await self._write_agent(agent_id, lambda tx: tx.delete_agent(agent_id))
 
     async def update_agent(self, agent_id: str, **fields: Any) -> Agent | None:
         """Change fields of a registered agent (metadata, policy); `None` if unknown."""
@@ -269,9 +289,7 @@ class Kernel:
             tx.put_agent(agent)
             return agent
 
-        updated = await self.store.run(run)
-        self._agent_written(agent_id)
-        return updated
+        return await self._write_agent(agent_id, run)
 
     # -- client commands ---------------------------------------------------------------
 
@@ -496,26 +514,34 @@ class Kernel:
     ) -> list[Event] | Refusal:
         """Events after `after_seq`; with `wait_s`, wait up to that long for the
         first new one (a long poll) instead of returning an empty page."""
+
+        def run(tx: Tx) -> list[Event] | Refusal:
+            if tx.execution(execution_id) is None:
+                return _not_found()
+            return tx.events(execution_id, after_seq=after_seq, limit=limit)
+
+        if wait_s <= 0:  # only a long poll registers a waiter: plain reads leave no trace
+            return await self.store.run(run)
         deadline = anyio.current_time() + wait_s
         while True:
-            waiter = None
-            if wait_s > 0:  # only a long poll registers a waiter: plain reads leave no trace
-                waiter = self._event_waiters.setdefault(execution_id, anyio.Event())
-
-            def run(tx: Tx) -> list[Event] | Refusal:
-                if tx.execution(execution_id) is None:
-                    return _not_found()
-                return tx.events(execution_id, after_seq=after_seq, limit=limit)
-
-            found = await self.store.run(run)
-            if isinstance(found, Refusal):
-                if waiter is not None and self._event_waiters.get(execution_id) is waiter:
-                    del self._event_waiters[execution_id]  # no such execution to wait for
-                return found
-            if found or waiter is None or anyio.current_time() >= deadline:
-                return found
-            with anyio.move_on_after(deadline - anyio.current_time()):
-                await waiter.wait()
+            # Registered before the read, so an event committed between the
+            # read and the wait still wakes this poll.
+            waiters = self._event_waiters.get(execution_id)
+            if waiters is None:
+                waiters = self._event_waiters[execution_id] = _Waiters()
+            waiters.count += 1
+            try:
+                found = await self.store.run(run)
+                if isinstance(found, Refusal) or found or anyio.current_time() >= deadline:
+                    return found
+                with anyio.move_on_after(deadline - anyio.current_time()):
+                    await waiters.event.wait()
+            finally:
+                # The last poll to leave takes the entry away (unless an event
+                # already did, and another poll registered a new one since).
+                waiters.count -= 1
+                if waiters.count == 0 and self._event_waiters.get(execution_id) is waiters:
+                    del self._event_waiters[execution_id]
 
     # -- background work: the dispatcher, reaper and timers call these -----------------------
 

@@ -40,7 +40,9 @@ agent = Agent("gated", secret="gated-secret", base_url=os.environ["REBUNO_URL"])
 
 async def process(x: int) -> int:
     y = await first(x)
-    while not GATE.exists():  # the test opens the gate once the kernel restarted
+    # The test opens the gate (a file another process writes, which no event can
+    # announce here) once the kernel has restarted.
+    while not await anyio.Path(GATE).exists():  # noqa: ASYNC110
         await anyio.sleep(0.02)
     return await second(y)
 
