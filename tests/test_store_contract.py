@@ -2318,4 +2318,3 @@ async def test_sqlite_after_a_crash_counters_are_gone_and_nothing_resumes(
         assert await again.run(lambda tx: read_counter(tx, uid(1))) is None
     finally:
         await again.close()
-
