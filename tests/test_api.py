@@ -1879,3 +1879,27 @@ async def test_made_up_agent_ids_do_not_grow_the_kernel(h: Harness) -> None:
         assert_error(reply, 404, "not_found")
     assert not any(key.startswith("x") for key in h.kernel._agents)
     assert h.kernel._event_waiters == {}
+
+
+async def test_the_api_routes_under_a_mount_prefix_and_signs_the_full_target(h: Harness) -> None:
+    """Mounted under `/kernel` (ASGI root_path), routing ignores the prefix but
+    the v1 signature still covers the raw target the agent sent, prefix and all."""
+    await h.register()
+    execution_id, _ = await h.running()
+    target = f"/kernel/v0/executions/{execution_id}"
+    headers = (("content-type", "application/json"), *h.signed("GET", target))
+    response = await h.api(Request("GET", target, headers, b"", root_path="/kernel"))
+    assert response.status == 200, response.body
+    assert json.loads(response.body)["id"] == execution_id
+    # Signed for the path without the prefix: refused.
+    unprefixed = h.signed("GET", f"/v0/executions/{execution_id}")
+    response = await h.api(
+        Request(
+            "GET",
+            target,
+            (("content-type", "application/json"), *unprefixed),
+            b"",
+            root_path="/kernel",
+        )
+    )
+    assert response.status == 401

@@ -250,7 +250,7 @@ class KernelAPI:
         return response
 
     async def _dispatch(self, request: Request) -> tuple[str, Response]:
-        segments = [unquote(s) for s in request.path.strip("/").split("/")]
+        segments = [unquote(s) for s in request.route_path.strip("/").split("/")]
         method = "GET" if request.method == "HEAD" else request.method
         for route in self._by_shape.get((method, len(segments)), ()):
             params = route.match(segments)

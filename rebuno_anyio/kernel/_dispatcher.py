@@ -17,6 +17,7 @@ execution it concerns, the loop backs off for one poll interval and goes on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -175,7 +176,20 @@ class Dispatcher:
         """POST one claimed dispatch and record how it went; holds a slot
         (acquired by the claim loop) until done."""
         try:
-            is_acked = await self._post(delivery)
+            try:
+                is_acked = await self._post(delivery)
+            except anyio.get_cancelled_exc_class():
+                # Shutting down mid-POST: count it a failed delivery, so after a
+                # clean restart (leases kept) it is retried within a backoff,
+                # not left in flight until its lease lapses.
+                # The store may be gone already: then the lease covers it.
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(2.0),
+                    contextlib.suppress(Exception),
+                ):
+                    await self.kernel.delivered(delivery, is_acked=False)
+                raise
             try:
                 await self.kernel.delivered(delivery, is_acked=is_acked)
             except Exception as err:
