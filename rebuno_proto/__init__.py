@@ -160,10 +160,11 @@ from ._submit import (
     decide_submission,
     fail_step,
     needs_indeterminate_check,
+    needs_verdict,
     step_key,
     submission_hash,
 )
-from ._tx import NO_SESSION, SessionView, check_owner
+from ._tx import NO_SESSION, SessionView, check_owner, may_hold_approvals
 from ._verdict import ALLOW, Action, Verdict
 from ._wire import (
     MAX_DELTA_BYTES,
@@ -335,8 +336,10 @@ __all__ = [
     "lease_lapsed",
     "lease_refusal",
     "lease_status",
+    "may_hold_approvals",
     "needs_indeterminate_check",
     "needs_lease_owner",
+    "needs_verdict",
     "parse_agent_metadata",
     "parse_agent_registration",
     "parse_approval_decision",

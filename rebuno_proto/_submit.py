@@ -41,6 +41,7 @@ __all__ = [
     "decide_submission",
     "fail_step",
     "needs_indeterminate_check",
+    "needs_verdict",
     "step_key",
     "submission_hash",
 ]
@@ -103,6 +104,12 @@ def needs_indeterminate_check(
         and submission.idempotency is Idempotency.AT_MOST_ONCE
         and execution.status is ExecutionStatus.RUNNING
     )
+
+
+def needs_verdict(execution: Execution, existing: Step | None) -> bool:
+    """Whether the decision may depend on policy: a new step of a running
+    execution (the caller then evaluates the agent's bundle)."""
+    return existing is None and execution.status is ExecutionStatus.RUNNING
 
 
 def _error_reason(error: str | None, default: str) -> str:

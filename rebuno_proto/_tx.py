@@ -32,7 +32,7 @@ from ._state import (
     advance,
 )
 
-__all__ = ["NO_SESSION", "NewId", "SessionView", "Tx", "check_owner"]
+__all__ = ["NO_SESSION", "NewId", "SessionView", "Tx", "check_owner", "may_hold_approvals"]
 
 NewId = Callable[[], str]
 _R = TypeVar("_R")
@@ -61,6 +61,12 @@ def check_owner(execution: Execution, agent_id: str | None) -> Refusal | None:
     if agent_id is None or agent_id == execution.agent_id:
         return None
     return Refusal(ErrorCode.FORBIDDEN, f"execution {execution.id} belongs to another agent")
+
+
+def may_hold_approvals(execution: Execution) -> bool:
+    """Whether the execution can have a pending approval (only while blocked):
+    an ending then needs them, to close them."""
+    return execution.status is ExecutionStatus.BLOCKED
 
 
 def error_json(reason: str, **extra: str) -> str:

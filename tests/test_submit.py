@@ -692,3 +692,14 @@ def test_lease_retired_by_block_may_finish_its_steps(kind: str) -> None:
     # The retired dispatch is not renewed.
     for written in outcome.change.executions:
         assert written.dispatch == ex.dispatch
+
+
+def test_policy_is_consulted_only_for_a_new_step_of_a_running_execution() -> None:
+    from rebuno_proto import may_hold_approvals, needs_verdict
+
+    running, blocked = execution(), execution(ExecutionStatus.BLOCKED)
+    assert needs_verdict(running, None)
+    assert not needs_verdict(blocked, None)
+    assert not needs_verdict(running, step(submission(), StepStatus.SUCCEEDED))
+    assert may_hold_approvals(blocked)
+    assert not may_hold_approvals(running)

@@ -54,8 +54,10 @@ from rebuno_proto import (
     fail_step,
     heartbeat,
     lease_refusal,
+    may_hold_approvals,
     needs_indeterminate_check,
     needs_lease_owner,
+    needs_verdict,
     previous_state,
     reclaim_lease,
     record_delivery,
@@ -222,9 +224,7 @@ class Kernel:
         return tx.dispatch_owner(lease.dispatch_id) if needs_lease_owner(execution, lease) else None
 
     def _pending(self, tx: Tx, execution: Execution) -> tuple[tuple[Approval, Step], ...]:
-        return (
-            tuple(tx.pending_approvals(execution.id)) if execution.status.value == "blocked" else ()
-        )
+        return tuple(tx.pending_approvals(execution.id)) if may_hold_approvals(execution) else ()
 
     # -- agents ----------------------------------------------------------------------
 
@@ -370,7 +370,7 @@ class Kernel:
             ) and tx.has_indeterminate(execution.id, submission.kind, submission.target, digest)
             verdict: Verdict = ALLOW
             buckets: tuple[RateBucket, ...] = ()
-            if existing is None and execution.status.value == "running":
+            if needs_verdict(execution, existing):
                 verdict, buckets = self.policy(
                     tx, execution, tx.agent(execution.agent_id), submission, now
                 )
