@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import anyio
 import anyio.to_thread
+from _gate import wait_for_gate
 
 from rebuno_anyio import Agent, step, tool
 
@@ -29,11 +29,6 @@ def record(line: str) -> None:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def wait_for_file(path: str) -> None:
-    while not os.path.exists(path):  # the test opens the gate by creating the file
-        time.sleep(0.02)
 
 
 @tool
@@ -63,7 +58,7 @@ async def process(
         await explode(tag)
     if gate is not None:
         print(f"at gate {tag}", file=sys.stderr, flush=True)
-        await anyio.to_thread.run_sync(wait_for_file, gate, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(wait_for_gate, gate, abandon_on_cancel=True)
     total = sum(int(r["square"]) for r in results)  # type: ignore[call-overload]
     done = await finish(tag, total)
     return {"tag": tag, "total": total, "token": token, "done": done, "pid": os.getpid()}

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import anyio
+from _gate import wait_for_gate
 
 from rebuno_anyio import Agent, tool
 
@@ -40,10 +41,8 @@ agent = Agent("gated", secret="gated-secret", base_url=os.environ["REBUNO_URL"])
 
 async def process(x: int) -> int:
     y = await first(x)
-    # The test opens the gate (a file another process writes, which no event can
-    # announce here) once the kernel has restarted.
-    while not await anyio.Path(GATE).exists():  # noqa: ASYNC110
-        await anyio.sleep(0.02)
+    # The test opens the gate once the kernel has restarted.
+    await anyio.to_thread.run_sync(wait_for_gate, str(GATE), abandon_on_cancel=True)
     return await second(y)
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import random
 import sys
-import time
 
 import anyio
 import anyio.to_thread
+from _gate import wait_for_gate
 from rebuno import Agent, Result, previous, step, tool
 
 AGENT_ID, KERNEL_URL, SECRET, COUNTER, PORT = sys.argv[1:6]
@@ -29,11 +29,6 @@ def record(line: str) -> None:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def wait_for_file(path: str) -> None:
-    while not os.path.exists(path):  # the test opens the gate by creating the file
-        time.sleep(0.02)
 
 
 @tool
@@ -53,7 +48,7 @@ async def process(tag: str, n: int = 2, gate: str | None = None, tally: bool = F
     pick = await step("pick", lambda: random.randint(1, 10**9))
     if gate is not None:
         print(f"at gate {tag}", file=sys.stderr, flush=True)
-        await anyio.to_thread.run_sync(wait_for_file, gate, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(wait_for_gate, gate, abandon_on_cancel=True)
     loud = await shout(tag)
     output = {"tag": tag, "cubes": [f["cube"] for f in found], "pick": pick, "loud": loud}
     if not tally:
