@@ -36,9 +36,11 @@ from rebuno_proto import (
     Condition,
     Consequence,
     Execution,
+    Policy,
     RateBucket,
     RateLimit,
     RateScope,
+    Records,
     Rule,
     StepKind,
     StepSubmission,
@@ -49,14 +51,12 @@ from rebuno_proto import (
     rate_key,
 )
 
-from .store import Tx
-
 #: How the kernel asks for a verdict on a new step: (tx, execution, agent,
 #: submission, now) -> (verdict, rate-limit buckets to store if the step is
 #: counted). `policy_hook` builds the one that enforces agents' bundles.
-PolicyHook = Callable[
-    [Tx, Execution, Agent | None, StepSubmission, float], tuple[Verdict, tuple[RateBucket, ...]]
-]
+#: The kernel's policy hook (`rebuno_proto.Policy`): the verdict for a new
+#: step, and the rate-limit buckets to store if it is counted.
+PolicyHook = Policy
 
 __all__ = [
     "BundleCache",
@@ -505,7 +505,11 @@ def policy_hook(*, dev_mode: bool) -> PolicyHook:
     """
 
     def hook(
-        tx: Tx, execution: Execution, agent: Agent | None, submission: StepSubmission, now: float
+        records: Records,
+        execution: Execution,
+        agent: Agent | None,
+        submission: StepSubmission,
+        now: float,
     ) -> tuple[Verdict, tuple[RateBucket, ...]]:
         if agent is None or agent.policy is None:
             return ALLOW, ()
@@ -528,7 +532,7 @@ def policy_hook(*, dev_mode: bool) -> PolicyHook:
             rule.id, limit.per_what, execution_id=execution.id, agent_id=execution.agent_id
         )
         try:
-            bucket = tx.rate_bucket(key)
+            bucket = records.rate_bucket(key)
         except Exception:  # the limiter (the store) is unavailable
             if limit.on_limiter_error is Action.ALLOW:
                 return verdict, ()

@@ -49,6 +49,7 @@ from ._agent import (
 )
 from ._approvals import ApprovalChoice, decide_approval, expire_approval
 from ._canonical import Document, canonical_json, parse_document
+from ._commands import KernelCommands, Policy, Records, allow_all, lease_owner, session_view
 from ._delivery import (
     Delivery,
     claim_dispatch,
@@ -94,6 +95,7 @@ from ._kernel import (
     heartbeat,
     previous_state,
 )
+from ._memory import MemoryRecords, MemoryTx
 from ._outcome import (
     Change,
     CounterWrite,
@@ -258,21 +260,26 @@ __all__ = [
     "HeartbeatFailed",
     "Idempotency",
     "InputRejected",
+    "KernelCommands",
     "Lease",
     "LeaseLost",
     "LeaseStatus",
     "LocalProtocolError",
     "Match",
     "Meaning",
+    "MemoryRecords",
+    "MemoryTx",
     "MessageError",
     "Outcome",
     "Phase",
+    "Policy",
     "PolicyUpload",
     "ProtocolError",
     "RateBucket",
     "RateLimit",
     "RateScope",
     "RawJSON",
+    "Records",
     "Refusal",
     "RemoteProtocolError",
     "RequestCheck",
@@ -297,6 +304,7 @@ __all__ = [
     "WebhookPayload",
     "Webhooks",
     "advance",
+    "allow_all",
     "args_hash",
     "argument_text",
     "backoff_delay",
@@ -334,6 +342,7 @@ __all__ = [
     "holds_lease",
     "interpret",
     "lease_lapsed",
+    "lease_owner",
     "lease_refusal",
     "lease_status",
     "may_hold_approvals",
@@ -359,6 +368,7 @@ __all__ = [
     "record_delivery",
     "retire_lease_after_restart",
     "rfc3339",
+    "session_view",
     "sign_request",
     "sign_webhook",
     "step_id",

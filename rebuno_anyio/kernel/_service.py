@@ -10,6 +10,7 @@ re-arm the approval timer, notify event watchers).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 from collections.abc import Callable
@@ -19,10 +20,7 @@ from typing import Any, TypeVar
 import anyio
 
 from rebuno_proto import (
-    ALLOW,
-    NO_SESSION,
     Agent,
-    Approval,
     ApprovalChoice,
     Created,
     CreateExecution,
@@ -33,36 +31,17 @@ from rebuno_proto import (
     Execution,
     ExecutionCompletion,
     ExecutionFailure,
+    KernelCommands,
     Lease,
     Outcome,
-    RateBucket,
     Refusal,
-    SessionView,
-    Step,
     StepDecision,
     StepSubmission,
-    Verdict,
-    cancel_execution,
+    allow_all,
     check_owner,
-    claim_dispatch,
-    complete_step,
-    create_execution,
-    decide_approval,
-    decide_submission,
-    end_execution,
-    expire_approval,
-    fail_step,
-    heartbeat,
+    lease_owner,
     lease_refusal,
-    may_hold_approvals,
-    needs_indeterminate_check,
-    needs_lease_owner,
-    needs_verdict,
     previous_state,
-    reclaim_lease,
-    record_delivery,
-    retire_lease_after_restart,
-    step_key,
     submission_hash,
 )
 
@@ -74,12 +53,6 @@ from ._metrics import KernelMetrics
 __all__ = ["Kernel"]
 
 R = TypeVar("R")
-
-
-def _allow_all(
-    tx: Tx, execution: Execution, agent: Agent | None, submission: StepSubmission, now: float
-) -> tuple[Verdict, tuple[RateBucket, ...]]:
-    return ALLOW, ()
 
 
 def _not_found(what: str = "execution") -> Refusal:
@@ -117,7 +90,7 @@ class Kernel:
         clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = uuid7,
         jitter: Callable[[], float] = random.random,
-        policy: PolicyHook = _allow_all,
+        policy: PolicyHook = allow_all,
     ) -> None:
         self.store = store
         self.settings = settings or DispatchSettings()
@@ -125,6 +98,7 @@ class Kernel:
         self.new_id = new_id
         self.jitter = jitter
         self.policy = policy
+        self.commands = KernelCommands(settings=self.settings, new_id=new_id, policy=policy)
         self.metrics = KernelMetrics()
         self._agents: dict[str, Agent] = {}
         self._agent_writes = 0  # agent writes completed (tells a read its value is stale)
@@ -159,43 +133,6 @@ class Kernel:
             self._after_commit(outcome)
         return outcome.reply
 
-    async def _on_execution(
-        self,
-        execution_id: str,
-        rule: Callable[[Tx, Execution, float], Outcome[R]],
-        *,
-        missing: R | Refusal | None = None,
-    ) -> R | Refusal:
-        """`_command` for a rule about one execution: load it first; an unknown
-        id answers `missing` (default: 404 execution not found)."""
-
-        def run(tx: Tx, now: float) -> Outcome[R]:
-            execution = tx.execution(execution_id)
-            if execution is None:
-                return Outcome(reply=_not_found() if missing is None else missing)
-            return rule(tx, execution, now)
-
-        return await self._command(run)
-
-    async def _on_approval(
-        self,
-        approval_id: str,
-        rule: Callable[[Tx, Approval, Execution, Step, float], Outcome[R]],
-        *,
-        missing: R | Refusal,
-    ) -> R | Refusal:
-        """`_command` for a rule about one approval, its execution and its step."""
-
-        def run(tx: Tx, now: float) -> Outcome[R]:
-            approval = tx.approval(approval_id)
-            execution = None if approval is None else tx.execution(approval.execution_id)
-            step = None if approval is None else tx.step(approval.step_id)
-            if approval is None or execution is None or step is None:
-                return Outcome(reply=missing)
-            return rule(tx, approval, execution, step, now)
-
-        return await self._command(run)
-
     def _after_commit(self, outcome: Outcome[Any]) -> None:
         if outcome.dispatch_due_at is not None:
             self.on_dispatch_due(outcome.dispatch_due_at)
@@ -211,20 +148,6 @@ class Kernel:
     async def read(self, fn: Callable[[Tx], R]) -> R:
         """Run a read-only query in a transaction."""
         return await self.store.run(fn)
-
-    def _session_view(self, tx: Tx, execution: Execution) -> SessionView:
-        if not execution.session:
-            return NO_SESSION
-        nxt = tx.session_next(execution.session, execution.id)
-        head = None if nxt is None else tx.session_head(execution.session, nxt.agent_id)
-        return SessionView(next_pending=nxt, head_for_next=head)
-
-    @staticmethod
-    def _lease_owner(tx: Tx, execution: Execution, lease: Lease) -> str | None:
-        return tx.dispatch_owner(lease.dispatch_id) if needs_lease_owner(execution, lease) else None
-
-    def _pending(self, tx: Tx, execution: Execution) -> tuple[tuple[Approval, Step], ...]:
-        return tuple(tx.pending_approvals(execution.id)) if may_hold_approvals(execution) else ()
 
     # -- agents ----------------------------------------------------------------------
 
@@ -294,102 +217,31 @@ class Kernel:
     # -- client commands ---------------------------------------------------------------
 
     async def create(self, request: CreateExecution) -> Created | Refusal:
-        def rule(tx: Tx, now: float) -> Outcome[Created]:
-            agent = tx.agent(request.agent_id)
-            duplicate = (
-                tx.execution_by_key(request.agent_id, request.idempotency_key)
-                if request.idempotency_key
-                else None
-            )
-            busy = bool(request.session) and tx.session_busy(request.session)
-            head = (
-                tx.session_head(request.session, request.agent_id)
-                if request.session and not busy
-                else None
-            )
-            return create_execution(
-                request=request,
-                agent=agent,
-                duplicate=duplicate,
-                session_busy=busy,
-                head=head,
-                new_id=self.new_id,
-                now=now,
-                settings=self.settings,
-            )
-
-        return await self._command(rule)
+        return await self._command(lambda tx, now: self.commands.create(tx, request, now))
 
     async def cancel(self, execution_id: str) -> Refusal | None:
-        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[None]:
-            return cancel_execution(
-                execution=execution,
-                session=self._session_view(tx, execution),
-                pending=self._pending(tx, execution),
-                active_steps=tuple(tx.active_steps(execution.id)),
-                new_id=self.new_id,
-                now=now,
-                settings=self.settings,
-            )
-
-        return await self._on_execution(execution_id, rule)
+        return await self._command(lambda tx, now: self.commands.cancel(tx, execution_id, now))
 
     async def decide_approval(
         self, approval_id: str, choice: ApprovalChoice, *, decided_by: str, rationale: str
     ) -> Refusal | None:
-        def rule(
-            tx: Tx, approval: Approval, execution: Execution, step: Step, now: float
-        ) -> Outcome[None]:
-            return decide_approval(
-                approval=approval,
-                execution=execution,
-                step=step,
-                choice=choice,
-                decided_by=decided_by,
-                rationale=rationale,
-                new_id=self.new_id,
-                now=now,
-                settings=self.settings,
+        return await self._command(
+            lambda tx, now: self.commands.decide_approval(
+                tx, approval_id, choice, decided_by=decided_by, rationale=rationale, now=now
             )
-
-        return await self._on_approval(approval_id, rule, missing=_not_found("approval"))
+        )
 
     # -- agent commands ------------------------------------------------------------------
 
     async def submit(
         self, execution_id: str, caller: str, lease: Lease, submission: StepSubmission
     ) -> StepDecision | Refusal:
-        digest = submission_hash(submission)
-
-        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[StepDecision]:
-            counter = tx.counter(execution.id, submission.kind, submission.target, digest)
-            key = step_key(execution.id, submission, counter, args_hash=digest)
-            existing = tx.step(key.step_id)
-            indeterminate = needs_indeterminate_check(
-                execution, submission, existing
-            ) and tx.has_indeterminate(execution.id, submission.kind, submission.target, digest)
-            verdict: Verdict = ALLOW
-            buckets: tuple[RateBucket, ...] = ()
-            if needs_verdict(execution, existing):
-                verdict, buckets = self.policy(
-                    tx, execution, tx.agent(execution.agent_id), submission, now
-                )
-            return decide_submission(
-                execution=execution,
-                caller=caller,
-                lease=lease,
-                lease_owner=self._lease_owner(tx, execution, lease),
-                submission=submission,
-                key=key,
-                existing=existing,
-                has_indeterminate_failure=indeterminate,
-                verdict=verdict,
-                rate_buckets=buckets,
-                new_id=self.new_id,
-                now=now,
+        digest = submission_hash(submission)  # outside the transaction
+        return await self._command(
+            lambda tx, now: self.commands.submit(
+                tx, execution_id, caller, lease, submission, now, args_hash=digest
             )
-
-        return await self._on_execution(execution_id, rule)
+        )
 
     async def finish_step(
         self,
@@ -402,43 +254,16 @@ class Kernel:
         error: str | None = None,
     ) -> StepDecision | Refusal:
         """Record a step's result (`result`) or failure (`error`)."""
-
-        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[StepDecision]:
-            owner = self._lease_owner(tx, execution, lease)
-            step = tx.step(step_id)
-            if error is None:
-                return complete_step(
-                    execution=execution,
-                    caller=caller,
-                    lease=lease,
-                    lease_owner=owner,
-                    step=step,
-                    result=result or "null",
-                    now=now,
-                )
-            return fail_step(
-                execution=execution,
-                caller=caller,
-                lease=lease,
-                lease_owner=owner,
-                step=step,
-                error=error,
-                now=now,
+        return await self._command(
+            lambda tx, now: self.commands.finish_step(
+                tx, execution_id, step_id, caller, lease, now, result=result, error=error
             )
-
-        return await self._on_execution(execution_id, rule)
+        )
 
     async def heartbeat(self, execution_id: str, caller: str, lease: Lease) -> Refusal | None:
-        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[None]:
-            return heartbeat(
-                execution=execution,
-                caller=caller,
-                lease=lease,
-                lease_owner=self._lease_owner(tx, execution, lease),
-                now=now,
-            )
-
-        return await self._on_execution(execution_id, rule)
+        return await self._command(
+            lambda tx, now: self.commands.heartbeat(tx, execution_id, caller, lease, now)
+        )
 
     async def end(
         self,
@@ -448,22 +273,9 @@ class Kernel:
         ending: ExecutionCompletion | ExecutionFailure,
     ) -> Refusal | None:
         """The agent completes or fails its execution."""
-
-        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[None]:
-            return end_execution(
-                execution=execution,
-                caller=caller,
-                lease=lease,
-                lease_owner=self._lease_owner(tx, execution, lease),
-                ending=ending,
-                session=self._session_view(tx, execution),
-                pending=self._pending(tx, execution),
-                new_id=self.new_id,
-                now=now,
-                settings=self.settings,
-            )
-
-        return await self._on_execution(execution_id, rule)
+        return await self._command(
+            lambda tx, now: self.commands.end(tx, execution_id, caller, lease, ending, now)
+        )
 
     async def check_lease(self, execution_id: str, caller: str, lease: Lease) -> Refusal | None:
         """Read-only: may this lease act (used for best-effort stream deltas)?"""
@@ -476,7 +288,7 @@ class Kernel:
             if refusal is not None:
                 return refusal
             return lease_refusal(
-                execution, lease, self._lease_owner(tx, execution, lease), allow_retired=True
+                execution, lease, lease_owner(tx, execution, lease), allow_retired=True
             )
 
         return await self.store.run(run)
@@ -546,40 +358,20 @@ class Kernel:
     # -- background work: the dispatcher, reaper and timers call these -----------------------
 
     async def claim(self, execution_id: str) -> Delivery | None:
-        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[Delivery | None]:
-            return claim_dispatch(
-                execution=execution,
-                session=self._session_view(tx, execution),
-                new_id=self.new_id,
-                now=now,
-                settings=self.settings,
-            )
-
-        reply = await self._on_execution(execution_id, rule)
+        reply = await self._command(lambda tx, now: self.commands.claim(tx, execution_id, now))
         return None if isinstance(reply, Refusal) else reply
 
     async def delivered(self, delivery: Delivery, *, is_acked: bool) -> None:
         jitter = self.jitter()
-
-        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[None]:
-            return record_delivery(
-                execution=execution,
-                lease=delivery.lease(),
-                is_acked=is_acked,
-                jitter=jitter,
-                session=self._session_view(tx, execution),
-                new_id=self.new_id,
-                now=now,
-                settings=self.settings,
+        await self._command(
+            lambda tx, now: self.commands.delivered(
+                tx, delivery, is_acked=is_acked, jitter=jitter, now=now
             )
-
-        await self._on_execution(delivery.execution_id, rule)
+        )
 
     async def reclaim(self, execution_id: str) -> bool:
-        def rule(tx: Tx, execution: Execution, now: float) -> Outcome[bool]:
-            return reclaim_lease(execution=execution, now=now, settings=self.settings)
-
-        return await self._on_execution(execution_id, rule, missing=False) is True
+        reply = await self._command(lambda tx, now: self.commands.reclaim(tx, execution_id, now))
+        return reply is True
 
     async def retire_leases(self) -> int:
         """At start: retire every lease granted before (see
@@ -588,12 +380,8 @@ class Kernel:
         while True:
             page: list[str] = await self.store.run(methodcaller("leased", after, 200))
             for execution_id in page:
-                retired = await self._on_execution(
-                    execution_id,
-                    lambda tx, execution, now: retire_lease_after_restart(
-                        execution=execution, now=now
-                    ),
-                    missing=False,
+                retired = await self._command(
+                    functools.partial(self.commands.retire_after_restart, execution_id=execution_id)
                 )
                 count += retired is True
             if len(page) < 200:
@@ -601,16 +389,5 @@ class Kernel:
             after = page[-1]
 
     async def expire(self, approval_id: str) -> bool:
-        def rule(
-            tx: Tx, approval: Approval, execution: Execution, step: Step, now: float
-        ) -> Outcome[bool]:
-            return expire_approval(
-                approval=approval,
-                execution=execution,
-                step=step,
-                new_id=self.new_id,
-                now=now,
-                settings=self.settings,
-            )
-
-        return await self._on_approval(approval_id, rule, missing=False) is True
+        reply = await self._command(lambda tx, now: self.commands.expire(tx, approval_id, now))
+        return reply is True
