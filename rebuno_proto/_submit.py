@@ -328,8 +328,14 @@ def _decide_existing(
         tx.log(execution).step(_T.STEP_EXECUTING, step)
         return StepDecision(decision=Decision.PROCEED, step_id=step.step_id)
     # An orphan: executing, submitted again by a later attempt (§6.2). The
-    # idempotency of *this* submission decides.
-    if submission.idempotency is Idempotency.SAFE_TO_RETRY:
+    # idempotency of *this* submission decides -- unless the body already ran
+    # as at_most_once: a promise made when the effect started is kept even if
+    # a later submission of the same call says it is safe to retry (found by
+    # the simulator, seed 5737 of the harsh profile).
+    if (
+        submission.idempotency is Idempotency.SAFE_TO_RETRY
+        and step.idempotency is Idempotency.SAFE_TO_RETRY
+    ):
         advance(STEP_TRANSITIONS, status, StepTrigger.ORPHAN_RETRIED)
         return StepDecision(decision=Decision.PROCEED, step_id=step.step_id)
     step = tx.put_step(

@@ -295,10 +295,27 @@ def test_existing_executing_at_most_once_fails_indeterminate() -> None:
 
 
 def test_orphan_resolution_follows_the_current_submission() -> None:
-    """A step recorded as at_most_once but resubmitted safe_to_retry re-runs."""
+    """A step recorded safe_to_retry re-runs when resubmitted safe_to_retry, and
+    fails indeterminate when this submission says at_most_once."""
+    recorded_safe = dataclasses.replace(
+        step(AT_MOST_ONCE, StepStatus.EXECUTING), idempotency=SUB.idempotency
+    )
+    assert reply(decide(existing=recorded_safe)).decision is Decision.PROCEED
+    strict = reply(decide(sub=AT_MOST_ONCE, existing=recorded_safe))
+    assert strict.decision is Decision.REPLAY and strict.error == INDETERMINATE_ERROR
+
+
+def test_seed_5737_an_at_most_once_body_never_reruns_under_a_safe_resubmission() -> None:
+    """Simulator seed 5737 (harsh profile): a body that started as at_most_once
+    ran again when a later attempt submitted the same call as safe_to_retry.
+    The promise made when the effect started is kept."""
     existing = step(AT_MOST_ONCE, StepStatus.EXECUTING)
-    resubmitted = dataclasses.replace(existing, idempotency=SUB.idempotency)
-    assert reply(decide(existing=resubmitted)).decision is Decision.PROCEED
+    outcome = decide(sub=SUB, existing=existing)
+    decision = reply(outcome)
+    assert decision.decision is Decision.REPLAY
+    assert decision.error == INDETERMINATE_ERROR
+    (written,) = outcome.change.steps
+    assert written.status is StepStatus.FAILED
 
 
 def test_existing_step_decided_even_while_blocked() -> None:
