@@ -1,0 +1,344 @@
+"""The deterministic simulator (`rebuno_proto.sim`): it runs clean, it is
+reproducible, it reaches the paths faults open, and it catches each kind of
+bug it claims to (shown by planting the bug in the core and watching it fail).
+
+`pytest -m slow tests/test_sim.py` runs the long version: 100,000 seeds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rebuno_proto._commands as commands_module
+import rebuno_proto._submit as submit_module
+from rebuno_proto import Decision, Outcome, StepDecision, StepStatus
+from rebuno_proto.sim import (
+    INVARIANTS,
+    PROFILES,
+    Fault,
+    FaultKind,
+    FaultPlan,
+    MessageClass,
+    SimConfig,
+    draw_plan,
+    draw_workload,
+    run,
+    run_seed,
+    run_seeds,
+    shrink,
+)
+from rebuno_proto.sim.__main__ import main
+from rebuno_proto.sim._world import World
+from rebuno_proto.sim.strategies import fault_plans
+
+CI_SEEDS = 1000
+
+
+# -- clean runs ---------------------------------------------------------------------------
+
+
+def test_ci_seeds_break_no_invariant() -> None:
+    """The CI run: 1,000 seeds, each with its own workload and faults."""
+    failed = [(r.seed, r.violations) for r in run_seeds(0, CI_SEEDS) if not r.ok]
+    assert failed == []
+
+
+def test_ci_harsh_seeds_break_no_invariant() -> None:
+    """500 seeds of the harsh profile: 6 s leases, up to 14 faults."""
+    harsh = PROFILES["harsh"]
+    failed = [(r.seed, r.violations) for r in run_seeds(0, 500, config=harsh) if not r.ok]
+    assert failed == []
+
+
+def test_seed_5737_harsh_at_most_once_body_never_reruns() -> None:
+    """Found by the simulator: a program calls `search` as safe_to_retry and
+    then, with the same arguments, as at_most_once. Duplicated requests shift
+    the occurrences, so a later attempt resubmitted the at_most_once step as
+    safe_to_retry and its body ran twice. Fixed in `_submit`: an orphan whose
+    body started as at_most_once is never re-run."""
+    result = run_seed(5737, config=PROFILES["harsh"])
+    assert result.ok, result.violations
+    assert result.body_runs > 0
+
+
+@pytest.mark.slow
+def test_long_run(request: pytest.FixtureRequest) -> None:
+    if "slow" not in str(request.config.getoption("markexpr")):
+        pytest.skip("100,000 seeds; select it with -m slow")
+    failed = [r.seed for r in run_seeds(CI_SEEDS, 100_000) if not r.ok]
+    assert failed == []
+    harsh = [r.seed for r in run_seeds(0, 20_000, config=PROFILES["harsh"]) if not r.ok]
+    assert harsh == []
+
+
+def test_the_same_seed_gives_the_same_trace() -> None:
+    first = run_seed(21, trace=True)
+    second = run_seed(21, trace=True)
+    assert first.trace == second.trace
+    assert len(first.trace) > 20
+    assert (first.events, first.statuses, first.body_runs) == (
+        second.events,
+        second.statuses,
+        second.body_runs,
+    )
+    assert run_seed(22, trace=True).trace != first.trace
+
+
+def test_tracing_does_not_change_the_run() -> None:
+    traced, plain = run_seed(5, trace=True), run_seed(5)
+    assert plain.trace == []
+    assert (traced.events, traced.statuses, traced.sim_seconds) == (
+        plain.events,
+        plain.statuses,
+        plain.sim_seconds,
+    )
+
+
+def test_without_faults_every_run_ends_cleanly() -> None:
+    config = SimConfig(faults=False)
+    for seed in range(50):
+        result = run_seed(seed, config=config)
+        assert result.ok, result.violations
+        assert draw_plan(seed, config) == FaultPlan()
+        assert sum(result.statuses.values()) == len(draw_workload(seed, config).jobs)
+        # No fault: no body ever runs twice.
+        assert result.orphan_reruns == 0
+
+
+def _world_stats(seeds: range) -> collections.Counter[str]:
+    found: collections.Counter[str] = collections.Counter()
+    config = SimConfig()
+    for seed in seeds:
+        world = World(seed, config, draw_plan(seed, config), draw_workload(seed, config))
+        result = world.run()
+        found["orphan_reruns"] += result.orphan_reruns
+        for log in world.records.events.values():
+            for event in log:
+                found[event.type] += 1
+                found["indeterminate"] += '"indeterminate"' in event.payload
+                found["dispatch_exhausted"] += "dispatch_exhausted" in event.payload
+    return found
+
+
+def test_faults_reach_the_paths_they_exist_for() -> None:
+    """Guard against a simulator that quietly stops exercising anything: over
+    a few hundred seeds, faults cause re-runs of orphaned safe steps,
+    indeterminate at_most_once steps, redeliveries and exhausted dispatches,
+    and every approval ending and parallel occurrence shows up."""
+    found = _world_stats(range(300))
+    for key in (
+        "orphan_reruns",
+        "indeterminate",
+        "dispatch_exhausted",
+        "dispatch.failed",
+        "approval.granted",
+        "approval.denied",
+        "approval.expired",
+        "execution.cancelled",
+        "step.denied",
+        "step.cancelled",
+    ):
+        assert found[key] > 0, key
+    assert found["dispatch.queued"] > found["execution.started"]  # redeliveries
+
+
+@pytest.mark.parametrize("kind", list(FaultKind), ids=lambda k: k.value)
+def test_each_fault_kind_runs_and_is_traced(kind: FaultKind) -> None:
+    fault = Fault(
+        kind=kind,
+        at=10.0,
+        duration=20.0,
+        agent="alpha",
+        rate=0.9,
+        delta=-30.0 if kind is FaultKind.CLOCK_JUMP else 5.0,
+        messages=MessageClass.ALL,
+    )
+    result = run(3, plan=FaultPlan((fault,)), trace=True)
+    assert result.ok, result.violations
+    assert any(f"FAULT {kind.value} at 10.000" in line for line in result.trace)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(seed=st.integers(0, 2**32 - 1), plan=fault_plans())
+def test_any_fault_plan_breaks_no_invariant(seed: int, plan: FaultPlan) -> None:
+    result = run(seed, plan=plan)
+    assert result.ok, result.violations
+
+
+def test_fault_plans_are_ordered_and_shrinkable() -> None:
+    late = Fault(kind=FaultKind.KERNEL_CRASH, at=50.0, duration=1.0)
+    early = Fault(kind=FaultKind.CLOCK_JUMP, at=5.0, delta=3.0)
+    plan = FaultPlan((late, early))
+    assert plan.faults == (early, late)
+    assert plan.without(0).faults == (late,)
+    assert plan.ends_at == 51.0 and len(plan) == 2
+    assert "kernel_crash at 50.000 for 1.000s" in late.describe()
+
+
+# -- planted bugs: each invariant catches what it is for ----------------------------------
+
+
+def _accept_superseded_leases(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = submit_module.lease_refusal
+
+    def lenient(execution: Any, lease: Any, owner: Any, *, allow_retired: bool) -> Any:
+        refusal = real(execution, lease, owner, allow_retired=allow_retired)
+        return None if refusal is not None and refusal.code.value == "lease_superseded" else refusal
+
+    monkeypatch.setattr(submit_module, "lease_refusal", lenient)
+
+
+def _rerun_orphans_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = submit_module._decide_existing
+
+    def rerun(tx: Any, execution: Any, step: Any, submission: Any) -> StepDecision:
+        if step.status is StepStatus.EXECUTING:
+            return StepDecision(decision=Decision.PROCEED, step_id=step.step_id)
+        return real(tx, execution, step, submission)
+
+    monkeypatch.setattr(submit_module, "_decide_existing", rerun)
+
+
+def _never_reclaim(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        commands_module, "reclaim_lease", lambda **kwargs: Outcome(reply=False)
+    )
+
+
+def _ignore_occurrence_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = commands_module.step_key
+    monkeypatch.setattr(
+        commands_module,
+        "step_key",
+        lambda eid, sub, counter, args_hash=None: real(eid, sub, None, args_hash=args_hash),
+    )
+
+
+def _overwrite_outcomes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A denied step recorded again as succeeded when resubmitted."""
+    real = submit_module._decide_existing
+
+    def overwrite(tx: Any, execution: Any, step: Any, submission: Any) -> StepDecision:
+        if step.status is StepStatus.DENIED:
+            tx.put_step(dataclasses.replace(step, status=StepStatus.SUCCEEDED, result="1"))
+        return real(tx, execution, step, submission)
+
+    monkeypatch.setattr(submit_module, "_decide_existing", overwrite)
+
+
+def _skip_event_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rebuno_proto._memory as memory
+
+    monkeypatch.setattr(memory.MemoryTx, "_check_events", lambda self, events: None)
+    real = commands_module.heartbeat
+
+    def gap(**kwargs: Any) -> Any:
+        outcome = real(**kwargs)
+        change = outcome.change
+        if change.executions:
+            bumped = tuple(
+                dataclasses.replace(e, last_event_seq=e.last_event_seq + 1)
+                for e in change.executions
+            )
+            return dataclasses.replace(
+                outcome, change=dataclasses.replace(change, executions=bumped)
+            )
+        return outcome
+
+    monkeypatch.setattr(commands_module, "heartbeat", gap)
+
+
+PLANTED: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
+    "superseded_lease": _accept_superseded_leases,
+    "at_most_once": _rerun_orphans_always,
+    "liveness": _never_reclaim,
+    "no_rerun_after_outcome": _ignore_occurrence_counters,
+    "one_outcome": _overwrite_outcomes,
+    "event_seq_gapless": _skip_event_numbers,
+}
+
+
+def _first_failure(invariant: str, limit: int = 400) -> int:
+    for seed in range(limit):
+        result = run_seed(seed)
+        if any(v.invariant == invariant for v in result.violations):
+            return seed
+    raise AssertionError(f"no seed below {limit} broke {invariant}")
+
+
+@pytest.fixture(params=sorted(PLANTED), ids=str)
+def planted(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    PLANTED[request.param](monkeypatch)
+    yield request.param
+
+
+def test_a_planted_bug_is_caught_and_shrunk(planted: str) -> None:
+    assert planted in INVARIANTS
+    seed = _first_failure(planted)
+    shrunk = shrink(seed, max_runs=150)
+    assert shrunk is not None
+    assert any(v.invariant == planted for v in shrunk.result.violations)
+    assert len(shrunk.plan) <= len(draw_plan(seed, SimConfig()))
+    assert 1 <= len(shrunk.workload.jobs) <= len(draw_workload(seed, SimConfig()).jobs)
+    assert shrunk.result.trace  # the shrunk run comes with its trace
+    text = "\n".join(shrunk.describe())
+    assert f"seed {seed}" in text and planted in text
+
+
+def test_shrink_of_a_passing_seed_is_none() -> None:
+    assert shrink(0) is None
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+def test_cli_runs_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--seeds", "25", "--start", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "ran 25 seeds (100..124)" in out and "seeds/s" in out
+    assert "no invariant broken" in out
+
+
+def test_cli_trace_is_identical_every_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--seed", "8", "--trace"]) == 0
+    first = capsys.readouterr().out
+    assert main(["--seed", "8", "--trace"]) == 0
+    assert capsys.readouterr().out == first
+    assert first.startswith("seed 8\n") and "seed 8: ok" in first
+
+
+def test_cli_reports_the_first_failing_seed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _rerun_orphans_always(monkeypatch)
+    seed = _first_failure("at_most_once")
+    assert main(["--seeds", str(seed + 1)]) == 1
+    out = capsys.readouterr().out
+    assert f"first failing seed: {seed}" in out
+    assert f"reproduce: python -m rebuno_proto.sim --seed {seed} --trace" in out
+    assert "VIOLATION at_most_once" in out and "trace of the shrunk run:" in out
+    assert main(["--seed", str(seed), "--shrink"]) == 1
+    assert "shrunk to" in capsys.readouterr().out
+
+
+def test_cli_lists_invariants_and_refuses_bad_arguments(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--list-invariants"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in INVARIANTS) and "liveness bound" in out
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--seeds", "-3"])
+    assert main(["--seeds", "3", "--no-faults"]) == 0
