@@ -11,12 +11,14 @@ seed, its shrunk plan and trace), 0 otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
 
 from . import INVARIANTS, PROFILES, run_seed, shrink
-from ._plan import draw_plan, draw_workload
+from ._plan import SimConfig, draw_plan, draw_workload
+from ._world import RunResult
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,9 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = PROFILES[args.profile]
     if args.no_faults:
-        from dataclasses import replace
-
-        config = replace(config, faults=False)
+        config = dataclasses.replace(config, faults=False)
     if args.list_invariants:
         for name, text in INVARIANTS.items():
             print(f"{name}: {text}")
@@ -71,10 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _many(args.start, args.seeds, config=config, flag=flag)
 
 
-def _one(seed: int, *, trace: bool, shrinking: bool, config: object) -> int:
-    from ._plan import SimConfig
-
-    assert isinstance(config, SimConfig)
+def _one(seed: int, *, trace: bool, shrinking: bool, config: SimConfig) -> int:
     result = run_seed(seed, config=config, trace=trace)
     if trace:
         print(f"seed {seed}")
@@ -92,10 +89,7 @@ def _one(seed: int, *, trace: bool, shrinking: bool, config: object) -> int:
     return 0 if result.ok else 1
 
 
-def _summary(result: object) -> str:
-    from ._world import RunResult
-
-    assert isinstance(result, RunResult)
+def _summary(result: RunResult) -> str:
     statuses = ", ".join(f"{k} {v}" for k, v in result.statuses.items()) or "none"
     return (
         f"seed {result.seed}: {'ok' if result.ok else 'FAILED'}; {result.events} events, "
@@ -104,10 +98,7 @@ def _summary(result: object) -> str:
     )
 
 
-def _print_shrunk(seed: int, config: object) -> None:
-    from ._plan import SimConfig
-
-    assert isinstance(config, SimConfig)
+def _print_shrunk(seed: int, config: SimConfig) -> None:
     shrunk = shrink(seed, config=config)
     if shrunk is None:
         return
@@ -118,17 +109,16 @@ def _print_shrunk(seed: int, config: object) -> None:
         print(line)
 
 
-def _many(start: int, count: int, *, config: object, flag: str = "") -> int:
-    from ._plan import SimConfig
-
-    assert isinstance(config, SimConfig)
+def _many(start: int, count: int, *, config: SimConfig, flag: str = "") -> int:
     began = time.perf_counter()
     failed: list[int] = []
     bodies = orphans = 0
+    slowest = 0.0
     for seed in range(start, start + count):
         result = run_seed(seed, config=config)
         bodies += result.body_runs
         orphans += result.orphan_reruns
+        slowest = max(slowest, result.settled_after if result.ok else 0.0)
         if not result.ok:
             failed.append(seed)
             if len(failed) == 1:
@@ -139,7 +129,9 @@ def _many(start: int, count: int, *, config: object, flag: str = "") -> int:
     rate = count / elapsed if elapsed > 0 else float("inf")
     print(
         f"ran {count} seeds ({start}..{start + count - 1}) in {elapsed:.1f}s: "
-        f"{rate:.0f} seeds/s; {bodies} bodies run, {orphans} orphan re-runs"
+        f"{rate:.0f} seeds/s; {bodies} bodies run, {orphans} orphan re-runs; "
+        f"slowest to settle: {slowest:.1f}s after the last fault "
+        f"(bound {config.liveness_bound_s:.0f}s)"
     )
     if not failed:
         print("no invariant broken")

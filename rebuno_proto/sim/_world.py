@@ -12,6 +12,7 @@ may drop, duplicate, delay or cut.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
@@ -63,7 +64,7 @@ from .._wire import (
     WebhookPayload,
 )
 from ._checks import Checker, Violation
-from ._plan import AGENTS, Fault, FaultKind, FaultPlan, MessageClass, SimConfig, Workload
+from ._plan import AGENTS, Fault, FaultKind, FaultPlan, Job, MessageClass, SimConfig, Workload
 
 __all__ = ["RunResult", "World"]
 
@@ -97,6 +98,8 @@ class RunResult:
     statuses: dict[str, int]
     body_runs: int
     orphan_reruns: int
+    #: seconds from the end of the last fault until every execution had ended
+    settled_after: float = 0.0
     trace: list[str] = field(default_factory=list)
 
     @property
@@ -219,11 +222,11 @@ class World:
 
     def run(self) -> RunResult:
         for job in self.workload.jobs:
-            self.at(job.at, lambda job=job: self.kernel.client_create(job))  # type: ignore[misc]
+            self.at(job.at, functools.partial(self.kernel.client_create, job))
             if job.cancel_at is not None:
-                self.at(job.cancel_at, lambda job=job: self.kernel.client_cancel(job.key))  # type: ignore[misc]
+                self.at(job.cancel_at, functools.partial(self.kernel.client_cancel, job.key))
         for fault in self.plan.faults:
-            self.at(fault.at, lambda fault=fault: self._fault(fault))  # type: ignore[misc]
+            self.at(fault.at, functools.partial(self._fault, fault))
         self.at(0.0, self.kernel.tick)
         while self._queue:
             when, _, fn = heapq.heappop(self._queue)
@@ -252,6 +255,7 @@ class World:
             statuses=dict(sorted(statuses.items())),
             body_runs=sum(self.check.body_runs.values()),
             orphan_reruns=self.check.orphan_reruns,
+            settled_after=max(self.now - self.quiet_at, 0.0),
             trace=self.trace,
         )
 
@@ -510,7 +514,7 @@ class _Kernel:
 
     # -- the client and the approver -----------------------------------------------------
 
-    def client_create(self, job: Any) -> None:
+    def client_create(self, job: Job) -> None:
         if not self.up:
             self.w.at(self.w.now + 1.0, lambda: self.client_create(job))
             return
