@@ -417,9 +417,9 @@ class StepLifecycle(RuleBasedStateMachine):
         elif status == "allowed":
             assert decision == StepDecision(decision=Decision.PROCEED, step_id=sid)
             model.status = "executing"
-        elif idempotency == "safe_to_retry":  # an orphan, re-run
+        elif idempotency == model.idempotency == "safe_to_retry":  # an orphan, re-run
             assert decision == StepDecision(decision=Decision.PROCEED, step_id=sid)
-        else:  # an orphan that may have taken effect
+        else:  # an orphan that may have taken effect (by this submission or its first)
             assert decision == StepDecision(
                 decision=Decision.REPLAY, step_id=sid, error=INDETERMINATE_ERROR
             )
