@@ -35,6 +35,8 @@ from urllib.parse import urlsplit
 import anyio
 from anyio.abc import ByteStream, SocketAttribute
 
+from ._http import Handler, Request
+
 __all__ = [
     "ClientResponse",
     "ConnectError",
@@ -264,6 +266,10 @@ class HttpClient:
         ssl_context: for https, the context that verifies the server (say, one
             that trusts a private CA); default: `ssl.create_default_context()`,
             the system's trusted CAs with host name checking.
+        handler: answer every request in process with this HTTP handler instead
+            of opening connections (`rebuno_anyio.testing`). The request and its
+            answer are the same `Request` and `Response` a server would pass;
+            an `HttpClientError` it raises is the client's, as if from the network.
 
     Raises:
         ValueError: `base_url` is not an http(s) URL with a host, or a limit is invalid.
@@ -276,6 +282,7 @@ class HttpClient:
         timeout: float = 35.0,
         max_connections: int = 64,
         ssl_context: ssl.SSLContext | None = None,
+        handler: Handler | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https"):
@@ -303,11 +310,13 @@ class HttpClient:
             # One context per client: building one loads the CA store.
             self._ssl_context = ssl_context or ssl.create_default_context()
         self._prefix = parts.path.rstrip("/")
+        self._netloc = parts.netloc
         self._host_line = f"host: {parts.netloc}\r\n"
         self._timeout_s = timeout
         self._idle: list[ByteStream] = []  # LIFO: the most recently used is warmest
         self._slots = anyio.Semaphore(max_connections)
         self._is_closed = False
+        self._handler = handler
 
     def target(self, path: str) -> str:
         """Return the request-target sent for `path`: the base path prefix plus `path`.
@@ -347,7 +356,9 @@ class HttpClient:
             ConnectionLost: the connection broke, or the response was malformed.
             HttpClientError: the client is closed.
         """
-        data = self._encode(method, path, headers, body)
+        data = self._encode(method, path, headers, body)  # validates, in process too
+        if self._handler is not None:
+            return await self._in_process(self._handler, method, path, headers, body)
         if len(body) <= _LARGE_BODY:
             data, body = data + body, b""
         if self._is_closed:
@@ -363,6 +374,30 @@ class HttpClient:
             finally:
                 self._slots.release()
         # Only reached when our own deadline cancelled the request.
+        raise RequestTimeout(f"{method} {path} took longer than {self._timeout_s:g} s")
+
+    async def _in_process(
+        self,
+        handler: Handler,
+        method: str,
+        path: str,
+        headers: Sequence[tuple[str, str]],
+        body: bytes,
+    ) -> ClientResponse:
+        """`request` answered by the in-process handler: no connection, same timeout."""
+        if self._is_closed:
+            raise HttpClientError("HttpClient is closed")
+        request = Request(
+            method=method,
+            target=self.target(path),
+            headers=(("host", self._netloc), *((k.lower(), v) for k, v in headers)),
+            body=body,
+        )
+        with anyio.move_on_after(self._timeout_s):
+            response = await handler(request)
+            return ClientResponse(
+                response.status, tuple((k.lower(), v) for k, v in response.headers), response.body
+            )
         raise RequestTimeout(f"{method} {path} took longer than {self._timeout_s:g} s")
 
     async def _send(self, data: bytes, body: bytes, method: str) -> ClientResponse:

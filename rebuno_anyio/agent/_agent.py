@@ -120,6 +120,9 @@ class Agent:
         signing: `"v1"` (default) or `"body"` (the seeds' body-only signature).
         ssl_context: for an `https://` kernel, the context that verifies it
             (one trusting a private CA, say); default: the system's trusted CAs.
+        kernel: the client for calls to the kernel; default: one built from
+            the arguments above (`rebuno_anyio.testing` passes one that stays
+            in process).
 
     Raises:
         ValueError: an empty id, or no secret or URL.
@@ -137,6 +140,7 @@ class Agent:
         output_schema: dict[str, Any] | type[BaseModel] | None = None,
         signing: Signing = "v1",
         ssl_context: ssl.SSLContext | None = None,
+        kernel: KernelClient | None = None,
     ) -> None:
         if not agent_id:
             raise ValueError("agent_id must not be empty")
@@ -152,14 +156,19 @@ class Agent:
         self.webhook_path = webhook_path
         self.description = description
         self.output_schema = json_schema_of(output_schema)
+        self.signing: Signing = signing
         self._secret = self.secret.encode("utf-8")
-        self._kernel = KernelClient(
-            agent_id=agent_id,
-            secret=self.secret,
-            base_url=self.base_url,
-            timeout=kernel_timeout,
-            signing=signing,
-            ssl_context=ssl_context,
+        self._kernel = (
+            kernel
+            if kernel is not None
+            else KernelClient(
+                agent_id=agent_id,
+                secret=self.secret,
+                base_url=self.base_url,
+                timeout=kernel_timeout,
+                signing=signing,
+                ssl_context=ssl_context,
+            )
         )
         self._signature: Signature | None = None
         self._process: Callable[..., Any] | None = None

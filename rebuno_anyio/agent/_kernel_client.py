@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any, Final, Literal
 
 import anyio
@@ -24,6 +25,7 @@ import anyio
 from rebuno_proto import Lease, sign_request, sign_webhook
 
 from .._h11client import ConnectError, HttpClient, HttpClientError, TLSError
+from .._http import Handler
 from ..errors import KernelUnreachable, NotFoundError, error_from_body
 
 __all__ = ["KernelClient", "Signing", "encode_json"]
@@ -60,6 +62,10 @@ class KernelClient:
         signing: `"v1"` (default) or `"body"` (the seeds' `sha256=` body form).
         ssl_context: for an `https://` kernel, the context that verifies it (a
             private CA, say); default: the system's trusted CAs.
+        transport: an in-process HTTP handler that answers every request
+            instead of the network (`rebuno_anyio.testing` passes the kernel's).
+        clock: Unix seconds for the `v1` signature's timestamp (a test kernel's
+            clock, so both sides agree on the time).
     """
 
     def __init__(
@@ -71,13 +77,18 @@ class KernelClient:
         timeout: float = 35.0,
         signing: Signing = "v1",
         ssl_context: ssl.SSLContext | None = None,
+        transport: Handler | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if signing not in ("v1", "body"):
             raise ValueError(f"signing must be 'v1' or 'body', got {signing!r}")
         self.agent_id = agent_id
         self._secret = secret.encode("utf-8")
         self._signing = signing
-        self._http = HttpClient(base_url, timeout=timeout, ssl_context=ssl_context)
+        self._http = HttpClient(
+            base_url, timeout=timeout, ssl_context=ssl_context, handler=transport
+        )
+        self._clock = clock
         self._retry_budget_s = min(timeout, RETRY_BUDGET_S)
 
     async def aclose(self) -> None:
@@ -91,7 +102,7 @@ class KernelClient:
             headers.append(("Rebuno-Dispatch-Id", lease.dispatch_id))
             headers.append(("Rebuno-Dispatch-Attempt", str(lease.attempt)))
         if self._signing == "v1":
-            timestamp = int(time.time())
+            timestamp = int(self._clock())
             headers.append(("Rebuno-Timestamp", str(timestamp)))
             signature = sign_request(
                 self._secret,
