@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
+import runpy
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -165,9 +168,7 @@ def test_each_fault_kind_runs_and_is_traced(kind: FaultKind) -> None:
     assert any(f"FAULT {kind.value} at 10.000" in line for line in result.trace)
 
 
-@settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), plan=fault_plans())
 def test_any_fault_plan_breaks_no_invariant(seed: int, plan: FaultPlan) -> None:
     result = run(seed, plan=plan)
@@ -180,7 +181,8 @@ def test_fault_plans_are_ordered_and_shrinkable() -> None:
     plan = FaultPlan((late, early))
     assert plan.faults == (early, late)
     assert plan.without(0).faults == (late,)
-    assert plan.ends_at == 51.0 and len(plan) == 2
+    assert plan.ends_at == 51.0
+    assert len(plan) == 2
     assert "kernel_crash at 50.000 for 1.000s" in late.describe()
 
 
@@ -209,9 +211,7 @@ def _rerun_orphans_always(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _never_reclaim(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        commands_module, "reclaim_lease", lambda **kwargs: Outcome(reply=False)
-    )
+    monkeypatch.setattr(commands_module, "reclaim_lease", lambda **kwargs: Outcome(reply=False))
 
 
 def _ignore_occurrence_counters(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -278,7 +278,7 @@ def _first_failure(invariant: str, limit: int = 400) -> int:
 @pytest.fixture(params=sorted(PLANTED), ids=str)
 def planted(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     PLANTED[request.param](monkeypatch)
-    yield request.param
+    return request.param
 
 
 def test_a_planted_bug_is_caught_and_shrunk(planted: str) -> None:
@@ -291,7 +291,8 @@ def test_a_planted_bug_is_caught_and_shrunk(planted: str) -> None:
     assert 1 <= len(shrunk.workload.jobs) <= len(draw_workload(seed, SimConfig()).jobs)
     assert shrunk.result.trace  # the shrunk run comes with its trace
     text = "\n".join(shrunk.describe())
-    assert f"seed {seed}" in text and planted in text
+    assert f"seed {seed}" in text
+    assert planted in text
 
 
 def test_shrink_of_a_passing_seed_is_none() -> None:
@@ -304,7 +305,8 @@ def test_shrink_of_a_passing_seed_is_none() -> None:
 def test_cli_runs_seeds(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--seeds", "25", "--start", "100"]) == 0
     out = capsys.readouterr().out
-    assert "ran 25 seeds (100..124)" in out and "seeds/s" in out
+    assert "ran 25 seeds (100..124)" in out
+    assert "seeds/s" in out
     assert "no invariant broken" in out
 
 
@@ -313,7 +315,8 @@ def test_cli_trace_is_identical_every_run(capsys: pytest.CaptureFixture[str]) ->
     first = capsys.readouterr().out
     assert main(["--seed", "8", "--trace"]) == 0
     assert capsys.readouterr().out == first
-    assert first.startswith("seed 8\n") and "seed 8: ok" in first
+    assert first.startswith("seed 8\n")
+    assert "seed 8: ok" in first
 
 
 def test_cli_reports_the_first_failing_seed(
@@ -325,7 +328,8 @@ def test_cli_reports_the_first_failing_seed(
     out = capsys.readouterr().out
     assert f"first failing seed: {seed}" in out
     assert f"reproduce: python -m rebuno_proto.sim --seed {seed} --trace" in out
-    assert "VIOLATION at_most_once" in out and "trace of the shrunk run:" in out
+    assert "VIOLATION at_most_once" in out
+    assert "trace of the shrunk run:" in out
     assert main(["--seed", str(seed), "--shrink"]) == 1
     assert "shrunk to" in capsys.readouterr().out
 
@@ -335,10 +339,28 @@ def test_cli_lists_invariants_and_refuses_bad_arguments(
 ) -> None:
     assert main(["--list-invariants"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in INVARIANTS) and "liveness bound" in out
+    assert all(name in out for name in INVARIANTS)
+    assert "liveness bound" in out
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         main(["--seeds", "-3"])
     assert main(["--seeds", "3", "--no-faults"]) == 0
+
+
+# -- docs/testing.md ------------------------------------------------------------------------
+
+
+def test_the_doc_example_runs(tmp_path: Path) -> None:
+    """The python block of "Property-testing the protocol" runs as written,
+    its hypothesis test included (from a file: hypothesis reads the source)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text("utf-8")
+    section = text.split("\n## Property-testing the protocol\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"^```python\n(.*?)^```$", section, flags=re.S | re.M)
+    example = tmp_path / "test_doc_sim_example.py"
+    example.write_text(block, "utf-8")
+    namespace = runpy.run_path(str(example))
+    namespace["test_protocol_survives_any_plan"]()
+    for name in INVARIANTS:
+        assert f"`{name}`" in section

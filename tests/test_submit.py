@@ -302,7 +302,8 @@ def test_orphan_resolution_follows_the_current_submission() -> None:
     )
     assert reply(decide(existing=recorded_safe)).decision is Decision.PROCEED
     strict = reply(decide(sub=AT_MOST_ONCE, existing=recorded_safe))
-    assert strict.decision is Decision.REPLAY and strict.error == INDETERMINATE_ERROR
+    assert strict.decision is Decision.REPLAY
+    assert strict.error == INDETERMINATE_ERROR
 
 
 def test_seed_5737_an_at_most_once_body_never_reruns_under_a_safe_resubmission() -> None:
