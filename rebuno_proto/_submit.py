@@ -299,6 +299,12 @@ def decide_submission(
     return tx.outcome(StepDecision(decision=Decision.PROCEED, step_id=step.step_id))
 
 
+def _stricter(first: Idempotency, second: Idempotency) -> Idempotency:
+    if Idempotency.AT_MOST_ONCE in (first, second):
+        return Idempotency.AT_MOST_ONCE
+    return Idempotency.SAFE_TO_RETRY
+
+
 def _decide_existing(
     tx: Tx, execution: Execution, step: Step, submission: StepSubmission
 ) -> StepDecision:
@@ -317,12 +323,15 @@ def _decide_existing(
             decision=Decision.BLOCKED, step_id=step.step_id, approval_id=step.approval_id
         )
     if status is StepStatus.ALLOWED:
-        # Approved: it runs once, whatever its idempotency.
+        # Approved: it runs once, whatever its idempotency. The body starts now,
+        # under this submission's idempotency: keep the stricter of the two, so
+        # an orphan of this run is never re-run if either said at_most_once.
         step = tx.put_step(
             dataclasses.replace(
                 step,
                 status=advance(STEP_TRANSITIONS, status, StepTrigger.RESUBMITTED),
                 started_at=tx.now,
+                idempotency=_stricter(step.idempotency, submission.idempotency),
             )
         )
         tx.log(execution).step(_T.STEP_EXECUTING, step)

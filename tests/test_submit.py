@@ -265,6 +265,30 @@ def test_existing_allowed_proceeds_once(sub: StepSubmission) -> None:
     assert len(counter_of(outcome, sub)) == 1
 
 
+@pytest.mark.parametrize(
+    ("first", "then", "kept"),
+    [
+        (SUB, SUB, "safe_to_retry"),
+        (SUB, AT_MOST_ONCE, "at_most_once"),
+        (AT_MOST_ONCE, SUB, "at_most_once"),
+    ],
+    ids=["safe-safe", "safe-then-at_most_once", "at_most_once-then-safe"],
+)
+def test_an_approved_step_starts_under_the_stricter_idempotency(
+    first: StepSubmission, then: StepSubmission, kept: str
+) -> None:
+    """An approved step first submitted safe_to_retry and run as at_most_once
+    must not be re-run as an orphan later (found in review of the seed 5737
+    fix): the run stores the stricter idempotency of the two."""
+    existing = step(first, StepStatus.ALLOWED, approval_id="ap-1", rule_id="r")
+    (written,) = decide(sub=then, existing=existing).change.steps
+    assert written.idempotency.value == kept
+    orphan = decide(sub=SUB, existing=written)
+    assert reply(orphan).decision is (
+        Decision.PROCEED if kept == "safe_to_retry" else Decision.REPLAY
+    )
+
+
 def test_existing_executing_safe_to_retry_proceeds_without_writes() -> None:
     existing = step(SUB, StepStatus.EXECUTING)
     outcome = decide(existing=existing, ex=execution(dispatch_record=dispatch(locked_at=NOW)))
