@@ -362,7 +362,9 @@ class KernelCommands:
         execution = records.execution(execution_id)
         if execution is None:
             return Outcome(reply=False)
-        return retire_lease_after_restart(execution=execution, now=now)
+        return retire_lease_after_restart(
+            execution=execution, now=now, lease_timeout_s=self.settings.lease_timeout_s
+        )
 
     def expire(self, records: Records, approval_id: str, now: float) -> Outcome[bool]:
         found = self._approval(records, approval_id)

@@ -211,14 +211,20 @@ def holds_lease(execution: Execution) -> bool:
     return True
 
 
-def retire_lease_after_restart(*, execution: Execution, now: float) -> Outcome[bool]:
+def retire_lease_after_restart(
+    *, execution: Execution, now: float, lease_timeout_s: float
+) -> Outcome[bool]:
     """A kernel start after a crash retires every lease granted before it.
 
     The occurrence counters of a dispatch attempt live in the kernel's memory
     (every claim resets them anyway), so after a crash no earlier attempt may
-    submit again. An in-flight dispatch is re-queued at once: the next claim
-    re-delivers it with attempt + 1 and a fresh count, and the old handler gets
-    `lease_superseded`. A queued or retrying dispatch, and one retired by a
+    submit again. An in-flight dispatch is re-queued, due when its lease would
+    have lapsed (at once if it already has): the next claim re-delivers it with
+    attempt + 1 and a fresh count, and the old handler gets `lease_superseded`.
+    It is not due sooner because the old handler may hold a `proceed` it is
+    still allowed to act on (`may_start_body`): a new attempt must not resolve
+    that step before the body could have started (found by the simulator,
+    seed 61258). A queued or retrying dispatch, and one retired by a
     block, move to a new attempt, so no lease handed out before -- not even a
     claim whose commit the crash lost -- can ever match again. None of this
     spends the delivery budget: `max_attempts` grows with the attempt. (After a
@@ -232,16 +238,18 @@ def retire_lease_after_restart(*, execution: Execution, now: float) -> Outcome[b
     execution = tx.track(execution)
     status = advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.KERNEL_RESTARTED)
     if dispatch.status is DispatchStatus.IN_FLIGHT:
+        locked_at = now if dispatch.locked_at is None else dispatch.locked_at
+        due = max(now, locked_at + lease_timeout_s)
         requeued = dataclasses.replace(
             dispatch,
             status=status,
-            next_attempt_at=now,
+            next_attempt_at=due,
             locked_at=None,
             max_attempts=dispatch.max_attempts + 1,
         )
         execution = tx.put(dataclasses.replace(execution, dispatch=requeued))
         tx.log(execution).dispatch(_T.DISPATCH_QUEUED, requeued, "pending")
-        tx.dispatch_due_at = now
+        tx.dispatch_due_at = due
     else:
         retired = dataclasses.replace(
             dispatch, attempt=dispatch.attempt + 1, max_attempts=dispatch.max_attempts + 1

@@ -833,10 +833,12 @@ def test_repeated_identical_calls_differ_only_in_occurrence(
 # -- a kernel restart retires every lease ----------------------------------------------
 
 
-def test_restart_requeues_an_in_flight_dispatch_at_once_without_spending_an_attempt() -> None:
+def test_restart_requeues_an_in_flight_dispatch_without_spending_an_attempt() -> None:
+    """Due when the old lease would have lapsed: the old handler may still act
+    on a `proceed` until then (simulator seed 61258)."""
     ex = execution(dispatch_record=dispatch(attempt=3, locked_at=T0))
     assert holds_lease(ex)
-    outcome = retire_lease_after_restart(execution=ex, now=T0 + 1)
+    outcome = retire_lease_after_restart(execution=ex, now=T0 + 1, lease_timeout_s=30.0)
     assert outcome.reply is True
     (written,) = outcome.change.executions
     assert written.dispatch is not None
@@ -845,20 +847,33 @@ def test_restart_requeues_an_in_flight_dispatch_at_once_without_spending_an_atte
         written.dispatch.attempt,
         written.dispatch.max_attempts,
         written.dispatch.next_attempt_at,
-    ) == (DispatchStatus.PENDING, 3, 6, T0 + 1)
+    ) == (DispatchStatus.PENDING, 3, 6, T0 + 30)
     assert event_types(outcome.change) == ["dispatch.queued"]
-    assert outcome.dispatch_due_at == T0 + 1
+    assert outcome.dispatch_due_at == T0 + 30
     # The old lease is superseded; the next claim re-delivers with attempt + 1.
     assert lease_status(written, Lease(dispatch_id=DISPATCH_ID, attempt=3), None) is (
         LeaseStatus.SUPERSEDED
     )
+    early = claim_dispatch(
+        execution=written, session=NO_SESSION, new_id=no_ids, now=T0 + 29, settings=SETTINGS
+    )
+    assert reply(early) is None
     delivery = reply(
         claim_dispatch(
-            execution=written, session=NO_SESSION, new_id=no_ids, now=T0 + 1, settings=SETTINGS
+            execution=written, session=NO_SESSION, new_id=no_ids, now=T0 + 30, settings=SETTINGS
         )
     )
     assert delivery is not None
     assert delivery.attempt == 4
+
+
+def test_restart_requeues_a_long_lapsed_lease_at_once() -> None:
+    ex = execution(dispatch_record=dispatch(attempt=3, locked_at=T0))
+    outcome = retire_lease_after_restart(execution=ex, now=T0 + 500, lease_timeout_s=30.0)
+    (written,) = outcome.change.executions
+    assert written.dispatch is not None
+    assert written.dispatch.next_attempt_at == T0 + 500
+    assert outcome.dispatch_due_at == T0 + 500
 
 
 def test_restarts_never_exhaust_a_healthy_execution() -> None:
@@ -866,7 +881,7 @@ def test_restarts_never_exhaust_a_healthy_execution() -> None:
     ex = k.create()
     for _ in range(6):
         k.start(ex.id)
-        k.commit(retire_lease_after_restart(execution=k.ex(ex.id), now=k.now))
+        k.commit(retire_lease_after_restart(execution=k.ex(ex.id), now=k.now, lease_timeout_s=0.0))
     assert k.ex(ex.id).status is ExecutionStatus.RUNNING
     assert k.claim(ex.id) is not None
 
@@ -878,7 +893,7 @@ def test_restart_moves_a_queued_dispatch_past_any_lease_a_lost_claim_handed_out(
     # A claim (attempt 2) whose commit a crash lost: the store still says attempt 1.
     ex = execution(dispatch_record=dispatch(attempt=1, status=status, locked_at=None))
     lost = Lease(dispatch_id=DISPATCH_ID, attempt=2)
-    outcome = retire_lease_after_restart(execution=ex, now=T0)
+    outcome = retire_lease_after_restart(execution=ex, now=T0, lease_timeout_s=30.0)
     (written,) = outcome.change.executions
     assert written.dispatch is not None
     assert (written.dispatch.status, written.dispatch.attempt, written.dispatch.max_attempts) == (
@@ -911,7 +926,7 @@ def test_restart_moves_a_block_retired_dispatch_to_a_new_attempt() -> None:
     old = Lease(dispatch_id=DISPATCH_ID, attempt=2)
     assert holds_lease(ex)
     assert lease_status(ex, old, None) is LeaseStatus.RETIRED_BY_BLOCK
-    outcome = retire_lease_after_restart(execution=ex, now=T0)
+    outcome = retire_lease_after_restart(execution=ex, now=T0, lease_timeout_s=30.0)
     assert outcome.reply is True
     (written,) = outcome.change.executions
     assert written.dispatch is not None
@@ -937,6 +952,6 @@ def test_restart_moves_a_block_retired_dispatch_to_a_new_attempt() -> None:
 )
 def test_restart_leaves_executions_without_a_lease_alone(ex: Execution) -> None:
     assert not holds_lease(ex)
-    outcome = retire_lease_after_restart(execution=ex, now=T0)
+    outcome = retire_lease_after_restart(execution=ex, now=T0, lease_timeout_s=30.0)
     assert outcome.reply is False
     assert outcome.change.is_empty
