@@ -43,6 +43,7 @@ from ._agent import (
     failure_reason,
     heartbeat_interval,
     interpret,
+    may_start_body,
 )
 from ._agent import (
     Outcome as HandlerOutcome,
@@ -60,6 +61,7 @@ from ._delivery import (
     retire_lease_after_restart,
 )
 from ._dispatch import (
+    RENEW_EVERY_S,
     DispatchSettings,
     LeaseStatus,
     backoff_delay,
@@ -212,6 +214,7 @@ __all__ = [
     "NULL_ARGS_HASH",
     "RATE_LIMITER_UNAVAILABLE",
     "RATE_LIMIT_EXCEEDED",
+    "RENEW_EVERY_S",
     "STEP_TRANSITIONS",
     "Action",
     "Agent",
@@ -346,6 +349,7 @@ __all__ = [
     "lease_refusal",
     "lease_status",
     "may_hold_approvals",
+    "may_start_body",
     "needs_indeterminate_check",
     "needs_lease_owner",
     "needs_verdict",

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Final, assert_never
 
+from ._dispatch import RENEW_EVERY_S
 from ._errors import LocalProtocolError
 from ._records import Lease
 from ._wire import WebhookPayload
@@ -50,6 +51,7 @@ __all__ = [
     "failure_reason",
     "heartbeat_interval",
     "interpret",
+    "may_start_body",
 ]
 
 #: The longest gap between heartbeats, whatever the lease (PROTOCOL.md §6.3).
@@ -60,6 +62,22 @@ _TERMINAL_STATUSES: Final = frozenset({"completed", "failed", "cancelled"})
 def heartbeat_interval(lease_timeout_s: float) -> float:
     """Seconds between heartbeats: `min(lease_timeout / 3, 30)`."""
     return min(lease_timeout_s / 3.0, MAX_HEARTBEAT_INTERVAL_S)
+
+
+def may_start_body(*, asked_at: float, now: float, lease_timeout_s: float) -> bool:
+    """Whether a `proceed` may still be acted on: the lease is surely still held.
+
+    Deciding `proceed` renewed the lease no earlier than `RENEW_EVERY_S` before
+    the request was sent (at `asked_at`, on the agent's monotonic clock). An
+    answer that took longer than the rest of the lease -- a process frozen
+    with it in a buffer, a reply delayed in the network -- may arrive after the
+    kernel re-queued the dispatch and another attempt resolved the step: the
+    body must not start then, and the handler stops as if its lease was lost.
+    (Leases assume clocks that run at the same rate: a kernel whose wall clock
+    steps forward expires them early.) A lease shorter than two renewal
+    periods keeps half of itself as the margin instead.
+    """
+    return now - asked_at < lease_timeout_s - min(RENEW_EVERY_S, lease_timeout_s / 2)
 
 
 # -- webhooks: which handler runs -----------------------------------------------

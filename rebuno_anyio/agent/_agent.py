@@ -455,6 +455,7 @@ class Agent:
             on_lease_lost=lease_lost,
             # The kernel stays silent: unwind and let it deliver again later.
             on_unreachable=handler_scope.cancel,
+            lease_timeout_s=payload.lease_timeout_seconds,
         )
         if rejected is not None:
             for action in machine.handle(rejected, now=now()):

@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from rebuno_proto import Lease, Meaning, interpret
+from rebuno_proto import Lease, Meaning, interpret, may_start_body
 
 from ..errors import (
     Blocked,
@@ -51,6 +52,8 @@ from ._kernel_client import KernelClient, encode_json
 
 __all__ = ["ExecutionContext", "Result", "current", "execution", "offload", "previous"]
 
+#: The clock a `proceed`'s age is measured on (a test may replace it).
+_monotonic = time.monotonic
 log = logging.getLogger("rebuno.agent")
 T = TypeVar("T")
 
@@ -110,6 +113,7 @@ class ExecutionContext:
         on_lease_lost: Callable[[], None],
         status: str = "running",
         on_unreachable: Callable[[], None] | None = None,
+        lease_timeout_s: float = 120.0,
     ) -> None:
         self._kernel = kernel
         self.id = execution_id
@@ -121,6 +125,7 @@ class ExecutionContext:
         self.is_superseded = False
         self.is_unreachable = False
         self._on_lease_lost = on_lease_lost
+        self.lease_timeout_s = lease_timeout_s
         self._on_unreachable = on_unreachable
         self._owner_thread: int | None = None
         self._owner_token: anyio.lowlevel.EventLoopToken | None = None
@@ -192,11 +197,24 @@ class ExecutionContext:
     async def submit(
         self, *, kind: str, target: str, args: Any, idempotency: str
     ) -> tuple[str, dict[str, Any]]:
+        """Submit a step. A `proceed` that came back too late to act on (see
+        `rebuno_proto.may_start_body`) stops the handler as a lost lease does."""
+        asked_at = _monotonic()
         decision = await self._kernel_call(
             lambda: self._kernel.submit_step(
                 self.id, self.lease, kind=kind, target=target, args=args, idempotency=idempotency
             )
         )
+        if decision.get("decision") == "proceed" and not may_start_body(
+            asked_at=asked_at,
+            now=(answered_at := _monotonic()),
+            lease_timeout_s=self.lease_timeout_s,
+        ):
+            self.lease_lost()
+            raise LeaseSuperseded(
+                f"the kernel's proceed for {target!r} came back after "
+                f"{answered_at - asked_at:.1f} s: the lease may have lapsed"
+            )
         return str(decision.get("step_id") or ""), decision
 
     def _refuse(self, meaning: Meaning, decision: dict[str, Any]) -> None:
