@@ -143,28 +143,32 @@ def test_checker_judges_a_body_start(
 ) -> None:
     checker = _checker_with(_step(status), execution_status)
     checker.granted(MISSING, LEASE)
-    checker.body_started(MISSING, "s1")
+    checker.body_started(MISSING, "s1", LEASE, Idempotency.SAFE_TO_RETRY)
     assert bool(checker.violations) is broken
     assert all(v.invariant == "no_rerun_after_outcome" for v in checker.violations)
 
 
-def test_checker_counts_runs_against_leases_and_at_most_once() -> None:
+def test_checker_allows_one_run_per_lease_and_one_for_at_most_once() -> None:
+    safe, strict = Idempotency.SAFE_TO_RETRY, Idempotency.AT_MOST_ONCE
+    second = dataclasses.replace(LEASE, attempt=2)
     checker = _checker_with(_step(StepStatus.EXECUTING), ExecutionStatus.RUNNING)
-    checker.granted(MISSING, LEASE)
-    checker.body_started(MISSING, "s1")
-    checker.body_started(MISSING, "s1")  # a second run in one lease
-    assert [v.invariant for v in checker.violations] == ["orphan_reruns_bounded"]
+    checker.body_started(MISSING, "s1", LEASE, safe)
+    checker.body_started(MISSING, "s1", second, safe)  # an orphan re-run: fine
+    assert checker.violations == []
     assert checker.orphan_reruns == 1
-    strict = _checker_with(
-        _step(StepStatus.EXECUTING, Idempotency.AT_MOST_ONCE), ExecutionStatus.RUNNING
-    )
-    strict.granted(MISSING, LEASE)
-    strict.granted(MISSING, dataclasses.replace(LEASE, attempt=2))
-    strict.body_started(MISSING, "s1")
-    strict.body_started(MISSING, "s1")
-    assert [v.invariant for v in strict.violations] == ["at_most_once"]
+    checker.body_started(MISSING, "s1", second, safe)  # twice under one lease
+    assert [v.invariant for v in checker.violations] == ["orphan_reruns_bounded"]
+    # A run declared at_most_once counts, even if the step's record says safe.
+    declared = _checker_with(_step(StepStatus.EXECUTING), ExecutionStatus.RUNNING)
+    declared.body_started(MISSING, "s1", LEASE, strict)
+    declared.body_started(MISSING, "s1", second, safe)
+    assert [v.invariant for v in declared.violations] == ["at_most_once"]
+    recorded = _checker_with(_step(StepStatus.EXECUTING, strict), ExecutionStatus.RUNNING)
+    recorded.body_started(MISSING, "s1", LEASE, safe)
+    recorded.body_started(MISSING, "s1", second, safe)
+    assert [v.invariant for v in recorded.violations] == ["at_most_once"]
     unknown = Checker(MemoryRecords())
-    unknown.body_started(MISSING, "nope")
+    unknown.body_started(MISSING, "nope", LEASE, safe)
     assert [v.invariant for v in unknown.violations] == ["no_rerun_after_outcome"]
 
 

@@ -28,8 +28,10 @@ from rebuno_proto.sim import (
     Fault,
     FaultKind,
     FaultPlan,
+    Job,
     MessageClass,
     SimConfig,
+    Workload,
     draw_plan,
     draw_workload,
     run,
@@ -60,15 +62,148 @@ def test_ci_harsh_seeds_break_no_invariant() -> None:
     assert failed == []
 
 
+# The run seed 5737 of the harsh profile made when the simulator found it,
+# shrunk: kept as data, so later changes to the simulator cannot lose it.
+SEED_5737_PLAN = FaultPlan(
+    (
+        Fault(
+            kind=FaultKind.DUPLICATE,
+            at=14.52,
+            duration=45.213,
+            rate=0.38,
+            messages=MessageClass.REQUESTS,
+        ),
+        Fault(kind=FaultKind.AGENT_CRASH, at=34.405, duration=21.281, agent="alpha"),
+    )
+)
+SEED_5737_WORKLOAD = Workload(
+    jobs=(
+        Job(
+            key="job-0",
+            agent_id="beta",
+            at=8.38498469815622,
+            session="",
+            program={
+                "ops": [
+                    ["par", "send_email", {"n": 0}, "at_most_once", False, 2],
+                    ["tool", "wire_money", {"n": 2}, "safe_to_retry", False],
+                    ["tool", "delete_all", {"n": 1}, "safe_to_retry", True],
+                    ["local", "think0", {"n": 1}, "safe_to_retry", False],
+                    ["tool", "wire_money", {"n": 2}, "safe_to_retry", False],
+                    ["llm", "gpt", {"prompt": "p0"}, "safe_to_retry", True],
+                ],
+                "end": "complete",
+                "job": 0,
+            },
+        ),
+        Job(
+            key="job-1",
+            agent_id="alpha",
+            at=17.982819334928774,
+            session="s1",
+            program={
+                "ops": [
+                    ["llm", "gpt", {"prompt": "p3"}, "safe_to_retry", True],
+                    ["tool", "fetch", {"n": 2}, "safe_to_retry", False],
+                    ["tool", "wire_money", {"n": 1, "fail": True}, "at_most_once", False],
+                ],
+                "end": "fail",
+                "job": 1,
+            },
+        ),
+        Job(
+            key="job-2",
+            agent_id="alpha",
+            at=19.313490832993015,
+            session="",
+            program={
+                "ops": [
+                    ["par", "search", {"n": 1}, "safe_to_retry", False, 2],
+                    ["par", "fetch", {"n": 1}, "safe_to_retry", False, 2],
+                    ["par", "fetch", {"n": 2}, "safe_to_retry", False, 2],
+                    ["par", "send_email", {"n": 0}, "at_most_once", True, 2],
+                    ["tool", "search", {"n": 0}, "safe_to_retry", False],
+                    ["tool", "search", {"n": 0}, "at_most_once", True],
+                    ["local", "think0", {"n": 1}, "safe_to_retry", False],
+                    ["par", "search", {"n": 0}, "safe_to_retry", True, 3],
+                    ["llm", "gpt", {"prompt": "p2"}, "safe_to_retry", True],
+                ],
+                "end": "complete",
+                "job": 2,
+            },
+            cancel_at=18.070035515846435,
+        ),
+    ),
+    approver_delays=(49.61588507320833, 73.36267928095043, 76.06141272646431),
+    approver_grants=(False, True, True),
+)
+
+
 def test_seed_5737_harsh_at_most_once_body_never_reruns() -> None:
     """Found by the simulator: a program calls `search` as safe_to_retry and
     then, with the same arguments, as at_most_once. Duplicated requests shift
     the occurrences, so a later attempt resubmitted the at_most_once step as
     safe_to_retry and its body ran twice. Fixed in `_submit`: an orphan whose
     body started as at_most_once is never re-run."""
-    result = run_seed(5737, config=PROFILES["harsh"])
+    config = dataclasses.replace(PROFILES["harsh"], replicas=1)
+    result = run(5737, plan=SEED_5737_PLAN, workload=SEED_5737_WORKLOAD, config=config)
     assert result.ok, result.violations
-    assert result.body_runs > 0
+    assert result.body_runs > 10
+
+
+SEED_1334_PLAN = FaultPlan(
+    (
+        Fault(kind=FaultKind.KERNEL_CRASH, at=7.445, duration=34.492),
+        Fault(kind=FaultKind.AGENT_STALL, at=54.495, duration=22.946, agent="beta", replica=1),
+    )
+)
+
+
+def test_seed_1334_harsh_a_late_proceed_never_starts_a_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the simulator: an agent process froze with a `proceed` for an
+    at_most_once step in its buffer; its lease lapsed, another process failed
+    the step as indeterminate, and the frozen one woke and ran the body. Fixed
+    on the agent side: `rebuno_proto.may_start_body` (the SDK stops the handler
+    as if its lease was lost)."""
+    harsh = PROFILES["harsh"]
+    assert run(1334, plan=SEED_1334_PLAN, config=harsh).ok
+    import rebuno_proto.sim._agent_node as agent_node
+
+    monkeypatch.setattr(agent_node, "may_start_body", lambda **kwargs: True)
+    (violation,) = run(1334, plan=SEED_1334_PLAN, config=harsh).violations
+    assert violation.invariant == "no_rerun_after_outcome"
+
+
+SEED_61258_PLAN = FaultPlan(
+    (
+        Fault(kind=FaultKind.AGENT_CRASH, at=4.871, duration=5.134, agent="beta", replica=1),
+        Fault(kind=FaultKind.AGENT_CRASH, at=8.459, duration=20.713, agent="alpha", replica=1),
+        Fault(kind=FaultKind.DELAY, at=10.837, duration=56.138, rate=0.18, delta=16.88),
+        Fault(kind=FaultKind.KERNEL_CRASH, at=11.753, duration=1.456),
+    )
+)
+
+
+def test_seed_61258_a_crash_restart_waits_out_the_leases_it_retires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the simulator: the kernel crashed while its `proceed` for an
+    at_most_once step was on the way to an agent; the restart re-delivered at
+    once, the new attempt failed the step as indeterminate, and then the late
+    `proceed` arrived, still within the lease, and the body ran. Fixed in
+    `retire_lease_after_restart`: an in-flight dispatch is due again only when
+    its old lease would have lapsed."""
+    assert run(61258, plan=SEED_61258_PLAN).ok
+    real = commands_module.retire_lease_after_restart
+    monkeypatch.setattr(
+        commands_module,
+        "retire_lease_after_restart",
+        lambda **kwargs: real(**{**kwargs, "lease_timeout_s": 0.0}),  # the old rule: at once
+    )
+    (violation,) = run(61258, plan=SEED_61258_PLAN).violations
+    assert violation.invariant == "no_rerun_after_outcome"
 
 
 @pytest.mark.slow

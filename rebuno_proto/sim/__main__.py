@@ -68,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seeds < 0 or args.start < 0:
         parser.error("--seeds and --start must not be negative")
     flag = "" if args.profile == "default" else f" --profile {args.profile}"
+    if args.no_faults:
+        flag += " --no-faults"
     return _many(args.start, args.seeds, config=config, flag=flag)
 
 
@@ -112,12 +114,13 @@ def _print_shrunk(seed: int, config: SimConfig) -> None:
 def _many(start: int, count: int, *, config: SimConfig, flag: str = "") -> int:
     began = time.perf_counter()
     failed: list[int] = []
-    bodies = orphans = 0
+    bodies = orphans = excused = 0
     slowest = 0.0
     for seed in range(start, start + count):
         result = run_seed(seed, config=config)
         bodies += result.body_runs
         orphans += result.orphan_reruns
+        excused += result.excused
         slowest = max(slowest, result.settled_after if result.ok else 0.0)
         if not result.ok:
             failed.append(seed)
@@ -129,7 +132,8 @@ def _many(start: int, count: int, *, config: SimConfig, flag: str = "") -> int:
     rate = count / elapsed if elapsed > 0 else float("inf")
     print(
         f"ran {count} seeds ({start}..{start + count - 1}) in {elapsed:.1f}s: "
-        f"{rate:.0f} seeds/s; {bodies} bodies run, {orphans} orphan re-runs; "
+        f"{rate:.0f} seeds/s; {bodies} bodies run, {orphans} orphan re-runs, "
+        f"{excused} late starts after a forward clock step; "
         f"slowest to settle: {slowest:.1f}s after the last fault "
         f"(bound {config.liveness_bound_s:.0f}s)"
     )

@@ -30,10 +30,11 @@ from .._agent import (
     Webhooks,
     conclude,
     interpret,
+    may_start_body,
 )
 from .._agent import Outcome as HandlerOutcome
 from .._canonical import canonical_json
-from .._outcome import Decision, ErrorCode, Refusal, StepDecision
+from .._outcome import ErrorCode, Refusal, StepDecision
 from .._records import Idempotency, Lease, StepKind
 from .._wire import (
     ExecutionCompletion,
@@ -73,9 +74,11 @@ _UNWINDS: Final = (
 class AgentNode:
     """An agent process: handlers by execution, under one incarnation."""
 
-    def __init__(self, world: World, agent_id: str) -> None:
+    def __init__(self, world: World, agent_id: str, replica: int = 0) -> None:
         self.w = world
         self.id = agent_id
+        self.replica = replica
+        self.name = f"{agent_id}#{replica}"
         self.up = True
         self.incarnation = 0
         self.stalled_until = 0.0
@@ -105,7 +108,7 @@ class AgentNode:
 
         def restart() -> None:
             self.up = True
-            self.w.log(f"{self.id}: restarted")
+            self.w.log(f"{self.name}: restarted")
 
         self.w.at(self.w.now + downtime, restart)
 
@@ -121,10 +124,10 @@ class AgentNode:
         def receive() -> None:
             decision = self.webhooks.received(payload)
             self.w.log(
-                f"{self.id}: webhook {payload.execution_id[-4:]} "
+                f"{self.name}: webhook {payload.execution_id[-4:]} "
                 f"attempt {payload.dispatch_attempt}: {decision}"
             )
-            self.w.send(MessageClass.WEBHOOKS, self.id, lambda: answered(True))
+            self.w.send(MessageClass.WEBHOOKS, self, lambda: answered(True))
             if decision == "ignore":
                 return
             old = self.handlers.pop(payload.execution_id, None)
@@ -151,18 +154,20 @@ class AgentNode:
         kernel = self.w.kernel
         state = {"done": False, "attempt": 0}
 
-        def settle(answer: object | None) -> None:
+        def settle(answer: object | None, sent_at: float = 0.0) -> None:
             if state["done"] or incarnation != self.incarnation or not handler.alive:
                 return
             state["done"] = True
             if answer is None:
                 unreachable()
             else:
+                handler.asked_at = sent_at  # when the answered request left
                 reply(answer)
 
         def attempt() -> None:
             state["attempt"] += 1
             number = state["attempt"]
+            sent_at = self.w.now
 
             def at_kernel() -> None:
                 if not kernel.up:
@@ -170,10 +175,12 @@ class AgentNode:
                     return
                 answer = kernel.request(self.id, op, handler.execution_id, handler.lease, body)
                 self.w.send(
-                    MessageClass.REPLIES, self.id, lambda: self.later(0.0, lambda: settle(answer))
+                    MessageClass.REPLIES,
+                    self,
+                    lambda: self.later(0.0, lambda: settle(answer, sent_at)),
                 )
 
-            self.w.send(MessageClass.REQUESTS, self.id, at_kernel)
+            self.w.send(MessageClass.REQUESTS, self, at_kernel)
             self.later(self.w.config.request_timeout_s, lambda: timed_out(number))
 
         def refused(number: int) -> None:
@@ -215,14 +222,15 @@ class _Handler:
         self.pc = 0
         self.results: list[object] = []
         self._tick_at: float | None = None
+        self.asked_at = 0.0  # when the request behind the latest answer was sent
 
     def tag(self) -> str:
-        return f"{self.node.id} {self.execution_id[-4:]}#{self.lease.attempt}"
+        return f"{self.node.name} {self.execution_id[-4:]}#{self.lease.attempt}"
 
     # -- the Dispatch machine ----------------------------------------------------------
 
     def feed(self, event: Any) -> None:
-        for action in self.machine.handle(event, now=self.w.kernel.clock):
+        for action in self.machine.handle(event, now=self.w.now):
             self.act(action)
         self._schedule_tick()
 
@@ -230,16 +238,16 @@ class _Handler:
         deadline = self.machine.next_deadline()
         if deadline is not None and self.alive and deadline != self._tick_at:
             self._tick_at = deadline
-            self.node.later(max(deadline - self.w.kernel.clock, 0.0), self.tick)
+            self.node.later(max(deadline - self.w.now, 0.0), self.tick)
 
     def tick(self) -> None:
         self._tick_at = None
         if not self.alive or self.machine.state not in (Phase.RUNNING, Phase.FINISHING):
             return
         deadline = self.machine.next_deadline()
-        if deadline is not None and self.w.kernel.clock >= deadline:
+        if deadline is not None and self.w.now >= deadline:
             self.feed(Tick())
-        else:  # the clock jumped back: wait for it
+        else:  # woken before the deadline (a stall moved it): wait on
             self._schedule_tick()
 
     def act(self, action: object) -> None:
@@ -275,7 +283,7 @@ class _Handler:
         self.alive = False
         phase: Phase = self.machine.state
         if was_running and phase is Phase.SUPERSEDED:
-            self.machine.handle(HandlerFinished(conclusion=None), now=self.w.kernel.clock)
+            self.machine.handle(HandlerFinished(conclusion=None), now=self.w.now)
         self.release()
 
     def release(self) -> None:
@@ -388,8 +396,15 @@ class _Handler:
                 return
             assert isinstance(answer, StepDecision)
             meaning = interpret(answer.decision.value, has_error=answer.error is not None)
-            if meaning is Meaning.RUN_BODY:
-                self.body(name, target, args, answer.step_id, done)
+            if meaning is Meaning.RUN_BODY and not may_start_body(
+                asked_at=self.asked_at,
+                now=self.w.now,
+                lease_timeout_s=self.payload.lease_timeout_seconds,
+            ):
+                self.w.log(f"{self.tag()}: proceed for {target} came too late; lease lost")
+                self.interrupt(LeaseLost())
+            elif meaning is Meaning.RUN_BODY:
+                self.body(name, target, args, submission.idempotency, answer.step_id, done)
             elif meaning is Meaning.RETURN_RESULT:
                 done(answer.result)
             elif meaning is Meaning.RAISE_RECORDED_ERROR:
@@ -408,9 +423,15 @@ class _Handler:
         self.node.call(self, "submit", submission, decided, self.unreachable)
 
     def body(
-        self, name: str, target: str, args: Any, step_id: str, done: Callable[[Any], None]
+        self,
+        name: str,
+        target: str,
+        args: Any,
+        idem: Idempotency,
+        step_id: str,
+        done: Callable[[Any], None],
     ) -> None:
-        self.w.check.body_started(self.execution_id, step_id)
+        self.w.check.body_started(self.execution_id, step_id, self.lease, idem)
         self.w.log(f"{self.tag()}: runs {target} ({step_id[:8]})")
         fails = isinstance(args, dict) and bool(args.get("fail"))
         result = _result_of(name, target, args)
@@ -427,17 +448,12 @@ class _Handler:
                     else:
                         self.unexpected(f"{target} result refused: {answer.message}")
                     return
-                assert isinstance(answer, StepDecision)
-                if answer.decision is Decision.RECORDED:
-                    failed = fails
-                    value: str | None = result
-                else:  # another attempt recorded it first: that outcome stands
-                    failed = answer.error is not None
-                    value = answer.result
-                if failed:
+                # Recorded, or `replay` because the step had already ended: the
+                # SDK keeps what its own body did either way.
+                if fails:
                     done(_Failure(HandlerOutcome.TOOL_ERROR, f"{target} failed"))
                 else:
-                    done(value)
+                    done(result)
 
             op = "fail" if fails else "complete"
             self.node.call(

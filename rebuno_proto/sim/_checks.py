@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .._memory import MemoryRecords
-from .._outcome import Outcome, Refusal
+from .._outcome import Decision, Outcome, Refusal, StepDecision
 from .._records import Idempotency, Lease
 from .._state import ExecutionStatus, StepStatus
 
@@ -21,10 +21,8 @@ __all__ = ["INVARIANTS", "Checker", "Violation"]
 INVARIANTS: Final = {
     "one_outcome": "a step records at most one terminal outcome; it never changes",
     "no_rerun_after_outcome": "a step whose outcome is recorded never runs its body again",
-    "at_most_once": "an at_most_once step's body runs at most once",
-    "orphan_reruns_bounded": (
-        "a safe_to_retry step's body runs at most once per lease its execution was granted"
-    ),
+    "at_most_once": ("a body runs at most once if any run of it, or its record, says at_most_once"),
+    "orphan_reruns_bounded": "a safe_to_retry step's body runs at most once per lease",
     "event_seq_gapless": "each execution's events are numbered 1, 2, 3, ... with no gap",
     "superseded_lease": "no mutation is accepted under a superseded lease",
     "liveness": "once faults stop, every execution ends within the stated bound",
@@ -64,6 +62,11 @@ class Checker:
         self._live: dict[str, Lease | None] = {}
         self.grants: dict[str, int] = {}
         self.body_runs: dict[str, int] = {}
+        self._strict: dict[str, None] = {}  # steps some run of which was at_most_once
+        self._ran_under: dict[tuple[str, Lease], None] = {}  # (step, lease) that ran a body
+        self._steps_forward = 0  # forward steps of the kernel's wall clock so far
+        self._proceeds: dict[tuple[str, Lease], int] = {}  # (step, lease) told proceed -> steps
+        self.excused = 0  # body starts a forward clock step excuses (see `clock_stepped`)
         self._seqs: dict[str, int] = {}
         self.now = 0.0
 
@@ -77,6 +80,15 @@ class Checker:
         self._live[execution_id] = lease
         self.grants[execution_id] = self.grants.get(execution_id, 0) + 1
 
+    def clock_stepped(self, delta: float) -> None:
+        """The kernel's wall clock jumped by `delta`. A forward step lapses the
+        leases in flight early -- leases assume clocks that run at the same
+        rate -- so a handler told `proceed` before it may start its body after
+        another attempt resolved the step. Such a start is counted in
+        `excused`, not failed."""
+        if delta > 0:
+            self._steps_forward += 1
+
     def kernel_crashed(self) -> None:
         """A crash retires every lease granted before it."""
         self._live.clear()
@@ -89,6 +101,13 @@ class Checker:
     ) -> None:
         """Check one committed command; `lease` is the agent's, if it carried one."""
         change = outcome.change
+        reply = outcome.reply
+        if (
+            lease is not None
+            and isinstance(reply, StepDecision)
+            and reply.decision is Decision.PROCEED
+        ):
+            self._proceeds[(reply.step_id, lease[1])] = self._steps_forward
         if (
             lease is not None
             and not change.is_empty
@@ -132,14 +151,20 @@ class Checker:
 
     # -- the agent's side ----------------------------------------------------------
 
-    def body_started(self, execution_id: str, step_id: str) -> None:
-        """An agent is about to run the body of `step_id` (it was told `proceed`)."""
+    def body_started(
+        self, execution_id: str, step_id: str, lease: Lease, idempotency: Idempotency
+    ) -> None:
+        """An agent is about to run the body of `step_id` under `lease`, as a
+        call declared `idempotency` (it was told `proceed`)."""
         step = self._records.steps.get(step_id)
         runs = self.body_runs[step_id] = self.body_runs.get(step_id, 0) + 1
         if step is None:
             self.fail("no_rerun_after_outcome", f"body of unknown step {step_id} ran")
             return
-        if step.status in _AGENT_OUTCOMES:
+        told = self._proceeds.get((step_id, lease), self._steps_forward)
+        if step.status.is_terminal and told < self._steps_forward:
+            self.excused += 1  # the clock stepped forward since `proceed` (see clock_stepped)
+        elif step.status in _AGENT_OUTCOMES:
             self.fail(
                 "no_rerun_after_outcome",
                 f"body of step {step_id} ({step.target}) ran again after it {step.status.value}",
@@ -153,15 +178,21 @@ class Checker:
                 "no_rerun_after_outcome",
                 f"body of step {step_id} ran while it is {step.status.value}",
             )
-        if step.idempotency is Idempotency.AT_MOST_ONCE and runs > 1:
+        # at_most_once if any run of it was declared so, or the kernel says so.
+        strict = (
+            step_id in self._strict
+            or idempotency is Idempotency.AT_MOST_ONCE
+            or step.idempotency is Idempotency.AT_MOST_ONCE
+        )
+        if strict:
+            self._strict[step_id] = None
+        if strict and runs > 1:
             self.fail(
                 "at_most_once", f"at_most_once step {step_id} ({step.target}) ran {runs} times"
             )
-        elif runs > max(self.grants.get(execution_id, 0), 1):
-            self.fail(
-                "orphan_reruns_bounded",
-                f"step {step_id} ran {runs} times in {self.grants.get(execution_id, 0)} leases",
-            )
+        if (step_id, lease) in self._ran_under:
+            self.fail("orphan_reruns_bounded", f"step {step_id} ran twice under one lease {lease}")
+        self._ran_under[(step_id, lease)] = None
 
     # -- at the end ------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Final
 from .._approvals import ApprovalChoice
 from .._canonical import canonical_json
 from .._delivery import Delivery
-from .._errors import LocalProtocolError
 from .._memory import MemoryTx
 from .._outcome import ErrorCode, Outcome, Refusal, StepDecision
 from .._records import Lease
@@ -83,7 +82,7 @@ class KernelNode:
             outcome = fn(tx, now)
             if not outcome.change.is_empty:
                 tx.apply(outcome.change)
-        except (LocalProtocolError, ValueError, KeyError, AssertionError) as err:
+        except Exception as err:
             tx.rollback()
             self.w.check.fail("rule_error", f"{label} raised {type(err).__name__}: {err}")
             return None
@@ -145,14 +144,17 @@ class KernelNode:
             dispatch_attempt=delivery.attempt,
             lease_timeout_seconds=self.w.settings.lease_timeout_s,
         )
-        self.w.log(f"kernel: webhook {delivery.execution_id[-4:]} attempt {delivery.attempt}")
-        agent = self.w.agents[delivery.agent_id]
+        agent = self.w.process(delivery.agent_id, self.w.route.randrange(self.w.config.replicas))
+        self.w.log(
+            f"kernel: webhook {delivery.execution_id[-4:]} attempt {delivery.attempt} "
+            f"to {agent.name}"
+        )
 
         def answered(acked: bool) -> None:
             if incarnation == self.incarnation and self.up:
                 self._delivered(key, acked)
 
-        self.w.send(MessageClass.WEBHOOKS, agent.id, lambda: agent.webhook(payload, answered))
+        self.w.send(MessageClass.WEBHOOKS, agent, lambda: agent.webhook(payload, answered))
         self.w.at(self.w.now + self.w.config.delivery_timeout_s, lambda: answered(False))
 
     def _delivered(self, key: tuple[str, str, int], acked: bool) -> None:

@@ -66,6 +66,7 @@ class Fault:
     rate: float = 0.0
     delta: float = 0.0
     messages: MessageClass = MessageClass.ALL
+    replica: int = 0  # which of the agent's processes (agent_crash, agent_stall, partition)
 
     @property
     def ends_at(self) -> float:
@@ -76,7 +77,7 @@ class Fault:
         if self.duration:
             parts.append(f"for {self.duration:.3f}s")
         if self.agent:
-            parts.append(f"agent={self.agent}")
+            parts.append(f"agent={self.agent}#{self.replica}")
         if self.rate:
             parts.append(f"rate={self.rate:.2f}")
         if self.delta:
@@ -137,6 +138,7 @@ class SimConfig:
     delivery_timeout_s: float = 10.0
     max_clock_jump_s: float = 90.0
     liveness_bound_s: float = 1200.0
+    replicas: int = 2  # processes per agent; webhooks go to any of them
     faults: bool = True
 
 
@@ -210,12 +212,13 @@ def draw_workload(seed: int, config: SimConfig) -> Workload:
         ops = [_op(rng) for _ in range(rng.randint(1, config.max_ops))]
         ending = "fail" if rng.random() < 0.1 else "complete"
         session = f"s{rng.randrange(2)}" if rng.random() < 0.3 else ""
-        cancel_at = rng.uniform(5.0, 90.0) if rng.random() < 0.1 else None
+        at = rng.uniform(0.0, 20.0)
+        cancel_at = at + rng.uniform(1.0, 70.0) if rng.random() < 0.1 else None
         jobs.append(
             Job(
                 key=f"job-{index}",
                 agent_id=rng.choice(AGENTS),
-                at=rng.uniform(0.0, 20.0),
+                at=at,
                 session=session,
                 program={"ops": ops, "end": ending, "job": index},
                 cancel_at=cancel_at,
@@ -242,6 +245,7 @@ def _draw_fault(rng: random.Random, config: SimConfig) -> Fault:
     kind = rng.choice(list(FaultKind))
     at = round(rng.uniform(0.0, config.fault_window_s), 3)
     agent = rng.choice(AGENTS)
+    replica = rng.randrange(max(config.replicas, 1))
     if kind in (FaultKind.DROP, FaultKind.DUPLICATE, FaultKind.DELAY):
         return Fault(
             kind=kind,
@@ -252,11 +256,29 @@ def _draw_fault(rng: random.Random, config: SimConfig) -> Fault:
             messages=rng.choice(list(MessageClass)),
         )
     if kind is FaultKind.PARTITION:
-        return Fault(kind=kind, at=at, duration=round(rng.uniform(1.0, 70.0), 3), agent=agent)
+        return Fault(
+            kind=kind,
+            at=at,
+            duration=round(rng.uniform(1.0, 70.0), 3),
+            agent=agent,
+            replica=replica,
+        )
     if kind is FaultKind.AGENT_CRASH:
-        return Fault(kind=kind, at=at, duration=round(rng.uniform(0.1, 60.0), 3), agent=agent)
+        return Fault(
+            kind=kind,
+            at=at,
+            duration=round(rng.uniform(0.1, 60.0), 3),
+            agent=agent,
+            replica=replica,
+        )
     if kind is FaultKind.AGENT_STALL:
-        return Fault(kind=kind, at=at, duration=round(rng.uniform(1.0, 70.0), 3), agent=agent)
+        return Fault(
+            kind=kind,
+            at=at,
+            duration=round(rng.uniform(1.0, 70.0), 3),
+            agent=agent,
+            replica=replica,
+        )
     if kind in (FaultKind.KERNEL_CRASH, FaultKind.KERNEL_RESTART):
         return Fault(kind=kind, at=at, duration=round(rng.uniform(0.1, 45.0), 3))
     jump = config.max_clock_jump_s

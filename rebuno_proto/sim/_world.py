@@ -15,13 +15,13 @@ from __future__ import annotations
 import functools
 import heapq
 import random
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
 from .._commands import KernelCommands, Records
 from .._dispatch import DispatchSettings
-from .._errors import LocalProtocolError
 from .._memory import MemoryRecords
 from .._outcome import RateBucket
 from .._records import Agent, Execution
@@ -66,11 +66,19 @@ class RunResult:
     orphan_reruns: int
     #: seconds from the end of the last fault until every execution had ended
     settled_after: float = 0.0
+    #: body starts after their step ended that a forward clock step excuses
+    excused: int = 0
     trace: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+
+def _describe(err: BaseException) -> str:
+    """An exception with where it was raised (the last frames of its traceback)."""
+    lines = traceback.format_exception(err)
+    return "".join(lines[-6:]).strip()
 
 
 class World:
@@ -115,7 +123,12 @@ class World:
             registering.put_agent(
                 Agent(id=agent_id, webhook_url=f"sim://{agent_id}", secret="", registered_at=START)
             )
-        self.agents = {agent_id: AgentNode(self, agent_id) for agent_id in AGENTS}
+        replicas = max(config.replicas, 1)
+        self.agents = {
+            agent_id: [AgentNode(self, agent_id, replica) for replica in range(replicas)]
+            for agent_id in AGENTS
+        }
+        self.route = random.Random(f"route:{seed}")  # which process a webhook reaches
         self._network_faults = [f for f in plan.faults if f.kind in _NETWORK_FAULTS]
         self._partitions = [f for f in plan.faults if f.kind is FaultKind.PARTITION]
         self.quiet_at = max(plan.ends_at, max((j.at for j in workload.jobs), default=0.0))
@@ -140,13 +153,19 @@ class World:
         if self.tracing:
             self.trace.append(f"{self.now:10.3f}  {text}")
 
-    def send(self, cls: MessageClass, agent_id: str, deliver: Callable[[], None]) -> None:
-        """Put one message on the network between the kernel and `agent_id`."""
+    def process(self, agent_id: str, replica: int) -> AgentNode:
+        """One of the agent's processes (`replica` wraps around)."""
+        processes = self.agents[agent_id]
+        return processes[replica % len(processes)]
+
+    def send(self, cls: MessageClass, node: AgentNode, deliver: Callable[[], None]) -> None:
+        """Put one message on the network between the kernel and an agent process."""
         latency = self.net.uniform(0.0005, 0.005)
         copies = 1
         now = self.now
+        agent_id = node.name
         for fault in self._partitions:
-            if fault.at <= now < fault.ends_at and fault.agent == agent_id:
+            if fault.at <= now < fault.ends_at and self.process(fault.agent, fault.replica) is node:
                 self.log(f"net: {cls.value} to/from {agent_id} lost (partition)")
                 return
         for fault in self._network_faults:
@@ -184,8 +203,8 @@ class World:
             self.events += 1
             try:
                 fn()
-            except LocalProtocolError as err:
-                self.check.fail("rule_error", f"{type(err).__name__}: {err}")
+            except Exception as err:  # a rule (or the simulator) broke: name the seed
+                self.check.fail("rule_error", _describe(err))
             if self.check.violations:
                 break
             if self.now >= self.quiet_at and self._all_done():
@@ -206,6 +225,7 @@ class World:
             body_runs=sum(self.check.body_runs.values()),
             orphan_reruns=self.check.orphan_reruns,
             settled_after=max(self.now - self.quiet_at, 0.0),
+            excused=self.check.excused,
             trace=self.trace,
         )
 
@@ -232,13 +252,14 @@ class World:
         self.log(f"FAULT {fault.describe()}")
         kind = fault.kind
         if kind is FaultKind.AGENT_CRASH:
-            self.agents[fault.agent].crash(fault.duration)
+            self.process(fault.agent, fault.replica).crash(fault.duration)
         elif kind is FaultKind.AGENT_STALL:
-            self.agents[fault.agent].stall(fault.duration)
+            self.process(fault.agent, fault.replica).stall(fault.duration)
         elif kind in (FaultKind.KERNEL_CRASH, FaultKind.KERNEL_RESTART):
             self.kernel.stop(crash=kind is FaultKind.KERNEL_CRASH, downtime=fault.duration)
         elif kind is FaultKind.CLOCK_JUMP:
             self.kernel.clock_offset += fault.delta
+            self.check.clock_stepped(fault.delta)
 
     def approver_for(self) -> tuple[float | None, bool]:
         """The next approval's decision delay (None: never) and choice."""

@@ -39,6 +39,7 @@ def faults(config: SimConfig = _DEFAULT) -> st.SearchStrategy[Fault]:
             lambda x: round(x, 3)
         ),
         messages=st.sampled_from(MessageClass),
+        replica=st.integers(0, max(config.replicas, 1) - 1),
     )
 
 
