@@ -9,10 +9,13 @@ event log) or on events the handlers set, and time moves by `advance`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import sys
+import threading
 import types
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +36,7 @@ from rebuno_anyio import (
     step,
     tool,
 )
+from rebuno_anyio.store import MemoryStore
 from rebuno_anyio.testing import (
     DENY_RULE,
     HOLD_RULE,
@@ -40,6 +44,8 @@ from rebuno_anyio.testing import (
     HarnessError,
     HarnessTimeout,
 )
+from rebuno_proto import Approval as ApprovalRecord
+from rebuno_proto import ApprovalStatus
 
 pytestmark = pytest.mark.anyio
 DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
@@ -91,6 +97,62 @@ async def test_an_agent_id_and_a_sync_handler_will_do() -> None:
         run = await h.run({"x": 21})
         assert (run.status, run.output) == ("completed", 42)
         assert [r.outcome for r in h.runs()] == ["returned"]
+
+
+class _Doubler:
+    """A handler that is no coroutine function but returns an awaitable."""
+
+    def __init__(self, parked: anyio.Event, gate: anyio.Event) -> None:
+        self.parked, self.gate = parked, gate
+
+    async def __call__(self, x: int) -> int:
+        self.parked.set()
+        await self.gate.wait()
+        if x < 0:
+            raise ValueError(f"no {x}")
+        return x * 2
+
+
+async def _gated_double(parked: anyio.Event, gate: anyio.Event, x: int) -> int:
+    return await _Doubler(parked, gate)(x)
+
+
+@pytest.mark.parametrize("kind", ["callable object", "partial"])
+async def test_a_handler_returning_an_awaitable_runs_until_it_is_awaited(
+    kind: str, anyio_backend: Any
+) -> None:
+    parked, gate = anyio.Event(), anyio.Event()
+    handler: Any = (
+        _Doubler(parked, gate)
+        if kind == "callable object"
+        else functools.partial(_gated_double, parked, gate)
+    )
+    if kind == "callable object" and anyio_backend == "trio":
+        # The agent calls it in a worker thread, and trio refuses the
+        # coroutine it returns there: it fails, in production as here.
+        async with AgentHarness("calc", handler) as h:
+            run = await h.run({"x": 21})
+            assert run.status == "failed"
+            assert run.failure_reason.startswith("agent_error: TypeError: the handler ")
+            assert [r.outcome for r in h.runs()] == ["TypeError"]
+        return
+    async with AgentHarness("calc", handler) as h:
+        started = await h.start({"x": 21})
+        with anyio.fail_after(5):
+            await parked.wait()
+        assert [r.outcome for r in h.runs()] == ["running"]  # not over at the call
+        gate.set()
+        run = await h.wait(started.id)
+        assert (run.status, run.output) == ("completed", 42)
+        assert [r.outcome for r in h.runs()] == ["returned"]
+        failed = await h.run({"x": -1})
+        assert (failed.status, failed.failure_reason) == (
+            "failed",
+            "agent_error: ValueError: no -1",
+        )
+        (broken,) = h.runs(failed.id)
+        assert broken.outcome == "ValueError"
+        assert isinstance(broken.error, ValueError)
 
 
 async def test_signatures_hold_however_far_the_clock_moves() -> None:
@@ -256,6 +318,134 @@ async def test_lease_expiry_redelivers_and_the_stalled_handler_is_refused() -> N
         ]
 
 
+def _gated_marker(
+    effects: list[str], parked: dict[str, anyio.Event], gates: dict[str, anyio.Event]
+) -> Any:
+    """A handler that records a step, then (on its first delivery, for the
+    names in `gates`) says so in `parked` and waits for its gate."""
+
+    @tool("mark")
+    async def mark(text: str) -> str:
+        effects.append(text)
+        return text
+
+    async def process(name: str) -> str:
+        await mark(f"{name} 1")
+        if name in gates and execution().dispatch_attempt == 1:
+            parked[name].set()
+            await gates[name].wait()
+        return await mark(f"{name} 2")
+
+    return process
+
+
+async def test_expiring_one_lease_leaves_the_other_handlers_their_own() -> None:
+    effects: list[str] = []
+    parked = {"a": anyio.Event(), "b": anyio.Event()}
+    gates = {"a": anyio.Event(), "b": anyio.Event()}
+    async with AgentHarness("pair", _gated_marker(effects, parked, gates)) as h:
+        a = await h.start({"name": "a"})
+        b = await h.start({"name": "b"})
+        with anyio.fail_after(5):
+            await parked["a"].wait()
+            await parked["b"].wait()
+        await h.expire_lease(a.id)
+        gates["a"].set()
+        assert (await h.wait_for_run(a.id, attempt=1)).outcome == "LeaseSuperseded"
+        gates["b"].set()
+        a_done, b_done = await h.wait(a.id), await h.wait(b.id)
+        assert (a_done.status, b_done.status) == ("completed", "completed")
+        # b ran once, on the instance that was cut off, under its first lease.
+        assert [(d.attempt, d.instance) for d in h.deliveries(b.id)] == [(1, 0)]
+        assert [(r.attempt, r.instance, r.outcome) for r in h.runs(b.id)] == [(1, 0, "returned")]
+        assert [(r.attempt, r.instance, r.outcome) for r in h.runs(a.id)] == [
+            (1, 0, "LeaseSuperseded"),
+            (2, 1, "returned"),
+        ]
+        assert sorted(effects) == ["a 1", "a 2", "b 1", "b 2"]
+
+
+async def test_time_moving_past_the_lease_timeout_keeps_a_live_handlers_lease() -> None:
+    effects: list[str] = []
+    parked, gates = {"a": anyio.Event()}, {"a": anyio.Event()}
+    async with AgentHarness("slow", _gated_marker(effects, parked, gates), lease_timeout_s=30) as h:
+        started = await h.start({"name": "a"})
+        with anyio.fail_after(5):
+            await parked["a"].wait()
+        await h.advance(30)
+        await h.advance(3600)  # its heartbeats would have renewed it all along
+        assert (await h.execution(started.id)).status == "running"
+        gates["a"].set()
+        run = await h.wait(started.id)
+        assert run.status == "completed"
+        assert [d.attempt for d in h.deliveries(run.id)] == [1]
+        assert [(r.attempt, r.outcome) for r in h.runs(run.id)] == [(1, "returned")]
+
+
+async def test_a_crash_lapses_only_the_crashed_instances_leases() -> None:
+    effects: list[str] = []
+    parked = {"b": anyio.Event(), "c": anyio.Event()}
+    gates = {"b": anyio.Event(), "c": anyio.Event()}
+    async with AgentHarness("trio_of_runs", _gated_marker(effects, parked, gates)) as h:
+        b = await h.start({"name": "b"})
+        c = await h.start({"name": "c"})
+        with anyio.fail_after(5):
+            await parked["b"].wait()
+            await parked["c"].wait()
+        await h.expire_lease(c.id)  # instance 1 comes up; b stays on instance 0
+        assert (await h.wait(c.id)).status == "completed"
+        h.crash_next_delivery(after_steps=1)
+        a = await h.run({"name": "a"})  # instance 1 crashes; instance 2 comes up
+        assert a.status == "completed"
+        assert [(r.instance, r.outcome) for r in h.runs(a.id)] == [(1, "crashed"), (2, "returned")]
+        gates["b"].set()
+        assert (await h.wait(b.id)).status == "completed"
+        assert [(r.attempt, r.instance, r.outcome) for r in h.runs(b.id)] == [(1, 0, "returned")]
+        gates["c"].set()
+
+
+@pytest.mark.parametrize("fault", ["crash", "expire_lease"])
+async def test_a_delivery_to_the_fresh_instance_keeps_its_lease(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A delivery can reach the fresh instance after it came up and before the
+    # harness moves the clock to lapse the old lease: that move renews it. The
+    # test widens that window on purpose, through the harness's own fleet,
+    # delivering a new execution there and waiting until its handler runs.
+    effects: list[str] = []
+    parked = {"a": anyio.Event(), "e": anyio.Event()}
+    gates = {"a": anyio.Event(), "e": anyio.Event()}
+    async with AgentHarness("fresh", _gated_marker(effects, parked, gates)) as h:
+        fleet = h._fleet
+        start_instance = fleet.start_instance
+        late: list[str] = []
+
+        async def start_then_deliver(tg: Any) -> Any:
+            instance = await start_instance(tg)
+            if not late:
+                late.append((await h.start({"name": "e"})).id)
+                with anyio.fail_after(5):
+                    await parked["e"].wait()
+            return instance
+
+        monkeypatch.setattr(fleet, "start_instance", start_then_deliver)
+        if fault == "crash":
+            h.crash_next_delivery(after_steps=1)
+            a = await h.start({"name": "a"})  # its first step crashes instance 0
+        else:
+            a = await h.start({"name": "a"})
+            with anyio.fail_after(5):
+                await parked["a"].wait()
+            await h.expire_lease(a.id)
+            gates["a"].set()
+        assert (await h.wait(a.id)).status == "completed"
+        (e_id,) = late
+        gates["e"].set()
+        assert (await h.wait(e_id)).status == "completed"
+        assert [(d.attempt, d.instance) for d in h.deliveries(e_id)] == [(1, 1)]
+        assert [(r.attempt, r.instance, r.outcome) for r in h.runs(e_id)] == [(1, 1, "returned")]
+
+
 async def test_expiring_a_lease_that_is_not_held_is_an_error() -> None:
     async with AgentHarness(shop.agent, shop.process) as h:
         run = await h.run(ORDER)
@@ -344,6 +534,34 @@ async def test_denied_approval_refuses_the_held_step() -> None:
         assert await h.approvals(started.id) == []
 
 
+async def test_an_approval_behind_a_thousand_others_is_found() -> None:
+    async with AgentHarness(
+        shop.agent, shop.audit, require_approval={"read_audit_log"}, timeout_s=5
+    ) as h:
+        # A busy kernel: a thousand older approvals of other executions.
+        assert isinstance(h.kernel.store, MemoryStore)
+        table = h.kernel.store.records.approvals
+        for n in range(1000):
+            approval_id = str(uuid.UUID(int=n + 1))
+            table[approval_id] = ApprovalRecord(
+                id=approval_id,
+                execution_id=str(uuid.UUID(int=10_000 + n)),
+                step_id=f"{n:064x}",
+                status=ApprovalStatus.PENDING,
+                created_at=h.clock() - 1,
+                timeout_at=h.clock() + 86_400,
+            )
+        started = await h.start({"order": 7})
+        approval = await h.wait_for_approval(started.id)
+        assert approval.execution_id == started.id
+        assert [a.id for a in await h.approvals(started.id)] == [approval.id]
+        assert len(await h.approvals()) == 1001
+        assert len(await h.approvals(status="all")) == 1001
+        assert await h.approvals(started.id, status="granted") == []
+        with pytest.raises(ValueError, match="status"):
+            await h.approvals(status="decided")
+
+
 async def test_an_approval_left_waiting_expires_when_time_moves() -> None:
     async with AgentHarness(
         shop.agent, shop.audit, require_approval={"read_audit_log"}, approval_timeout_s=60
@@ -400,6 +618,64 @@ async def test_a_kernel_failure_surfaces_instead_of_hanging() -> None:
     with pytest.raises(HarnessError, match="policy exploded") as caught:
         await run_it()
     assert "kernel API raised on POST /v0/executions/" in str(caught.value)
+
+
+async def test_a_kernel_error_is_only_its_own_harnesses() -> None:
+    async def exploding_claim(execution_id: str) -> Any:
+        raise RuntimeError("claim exploded")
+
+    async def run_loud() -> None:
+        async with AgentHarness("loud", shop.process) as loud:
+            # Logged by loud's dispatcher, not raised at an API call.
+            loud.kernel.claim = exploding_claim  # type: ignore[method-assign]
+            started = await loud.start(ORDER)
+            await loud.wait(started.id)
+
+    async with AgentHarness(shop.agent, shop.process) as quiet:
+        with pytest.raises(HarnessError, match="claim exploded") as caught:
+            await run_loud()  # open while quiet is
+        assert "dispatcher: claiming the dispatch of execution" in str(caught.value)
+        run = await quiet.run(ORDER)  # quiet heard nothing of it
+        assert run.status == "completed"
+        assert quiet.runs(run.id)[0].outcome == "returned"
+
+
+async def test_leaving_waits_for_a_handler_blocked_in_a_worker_thread() -> None:
+    release = threading.Event()
+    blocked, leaving = anyio.Event(), anyio.Event()
+    exited: list[bool] = []
+    released_while_leaving: list[bool] = []
+
+    def slow(x: int) -> int:
+        anyio.from_thread.run_sync(blocked.set)
+        release.wait(30)  # a synchronous call: nothing can cancel it
+        return x
+
+    async def release_once_all_wait() -> None:
+        await leaving.wait()
+        await anyio.wait_all_tasks_blocked()  # the harness is waiting for the thread
+        released_while_leaving.append(not exited)
+        release.set()
+
+    h = AgentHarness("slow", slow, timeout_s=0.05)
+
+    async def time_out_inside() -> None:
+        async with h:
+            started = await h.start({"x": 1})
+            with anyio.fail_after(5):
+                await blocked.wait()
+            try:
+                await h.wait(started.id)  # runs out: the thread is still blocked
+            finally:
+                leaving.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(release_once_all_wait)
+        with pytest.raises(HarnessTimeout, match=r"within 0\.05 s"):
+            await time_out_inside()
+        exited.append(True)
+    assert released_while_leaving == [True]  # leaving the block waited for the thread
+    assert [r.outcome for r in h.runs()] == ["returned"]
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -4,9 +4,15 @@ Each *instance* is a fresh `Agent` built from the user's configuration (id,
 secret, webhook path, metadata, signing) and bound to the user's handler. It
 is what one agent process would be: its calls to the kernel go straight into
 the kernel's HTTP handler, and webhooks reach it only while it is the newest
-instance. A crash takes an instance down; a lease expiry cuts it off from the
-webhooks but leaves it running (a stalled or partitioned process), so what it
-sends afterwards meets the kernel's fencing.
+instance. A crash takes an instance down; a lease expiry stalls one handler
+run and cuts its instance off from the webhooks but leaves it running (a
+stalled or partitioned process), so what that run sends afterwards meets the
+kernel's fencing.
+
+The fleet also knows which leases the agent side would still be renewing
+(`keeps_alive`): the kernel's clock is fake and the instances' heartbeats run
+on the event loop's, so when the harness moves the kernel's time it renews
+those leases itself.
 
 The faults live here because they are about wires: a crash cuts an instance's
 connection right after the kernel recorded its Nth step result, and a
@@ -19,14 +25,17 @@ import functools
 import inspect
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import anyio
 import anyio.from_thread
 import httpx
+import sniffio
 from anyio.abc import TaskGroup, TaskStatus
+
+from rebuno_proto import Lease
 
 from .._h11client import ConnectionLost
 from .._http import INTERNAL_ERROR, Handler, Request, Response
@@ -50,6 +59,17 @@ class Instance:
     agent: Agent
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     is_crashed: bool = False
+
+    def works_under(self, execution_id: str, lease: Lease) -> bool:
+        """Whether this instance is up and runs the execution's dispatch under
+        `lease`: from the webhook it accepted until it has reported the end, it
+        would keep that lease alive with heartbeats."""
+        if self.is_crashed or self.scope.cancel_called:
+            return False
+        # The agent's table of the dispatches it runs (private to `Agent`; the
+        # harness is part of the same package and reads it only).
+        running = self.agent._running.get(execution_id)
+        return running is not None and running.lease == lease
 
 
 @dataclass(slots=True)
@@ -100,6 +120,7 @@ class Fleet:
         self._duplicates = 0
         self._crashes: list[int] = []  # armed: after how many steps, one per delivery
         self._plans: dict[tuple[str, int], _CrashPlan] = {}
+        self._stalled: set[Lease] = set()  # leases `expire_lease` took from their runs
 
     # -- faults ---------------------------------------------------------------------------
 
@@ -110,6 +131,35 @@ class Fleet:
         if after_steps < 1:
             raise ValueError(f"after_steps must be at least 1, got {after_steps}")
         self._crashes.append(after_steps)
+
+    def stall(self, lease: Lease) -> None:
+        """Stall the run working under `lease`: `keeps_alive` no longer holds
+        for it, so the lease lapses the next time the kernel's time moves past
+        its timeout."""
+        self._stalled.add(lease)
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def keeps_alive(self, execution_id: str, lease: Lease) -> bool:
+        """Whether the agent side would have renewed the execution's `lease` by
+        now, had its heartbeats run on the kernel's clock.
+
+        True while an instance that is up works under it, and while the
+        dispatcher is still posting it (no instance has answered that
+        delivery yet). False once `stall` took it, once its instance crashed,
+        and once no instance works under it any more (its delivery was
+        refused, or the agent dropped it).
+        """
+        if lease in self._stalled:
+            return False
+        if any(instance.works_under(execution_id, lease) for instance in self.instances):
+            return True
+        return not any(
+            d.execution_id == execution_id
+            and d.dispatch_id == lease.dispatch_id
+            and d.attempt == lease.attempt
+            for d in self.deliveries
+        )
 
     # -- instances ------------------------------------------------------------------------
 
@@ -239,7 +289,16 @@ class Fleet:
 
     def _recording(self, process: Callable[..., Any], instance: Instance) -> Callable[..., Any]:
         """`process`, recording each call in `runs`; the signature (the input
-        schema) and the sync/async kind stay as they are."""
+        schema) and the sync/async kind stay as they are.
+
+        A synchronous callable runs in a worker thread, as the agent runs it;
+        when it returns an awaitable (an object with `async def __call__`, a
+        function returning a coroutine) the run lasts until that is awaited,
+        on the event loop, as the agent awaits it. Except a coroutine under
+        trio: trio refuses a coroutine returned from a worker thread, and so
+        the agent fails such a handler there; the harness fails it too, with
+        a message that says why.
+        """
         if inspect.iscoroutinefunction(process):
 
             @functools.wraps(process)
@@ -255,19 +314,43 @@ class Fleet:
 
             return handler
 
+        backend = sniffio.current_async_library()  # here, on the event loop
+
         @functools.wraps(process)
         def sync_handler(*args: Any, **kwargs: Any) -> Any:
             # A worker thread: the records are the event loop's to touch.
             run = anyio.from_thread.run_sync(self._begin, instance, _lease_now())
             try:
                 result = process(*args, **kwargs)
+                if backend == "trio" and inspect.iscoroutine(result):
+                    result.close()
+                    raise TypeError(
+                        f"the handler {process!r} is no coroutine function but returned a "
+                        "coroutine: the agent calls it in a worker thread, and trio refuses "
+                        "a coroutine from a worker thread (asyncio awaits it); make the "
+                        "handler an async def function"
+                    )
             except BaseException as exc:
                 anyio.from_thread.run_sync(self._end, run, exc)
                 raise
+            if inspect.isawaitable(result):
+                # Not a coroutine itself: trio takes it from the thread as the
+                # agent would have taken `result`, and the agent awaits it.
+                return _Awaiting(self._finishing(run, result))
             anyio.from_thread.run_sync(self._end, run, None)
             return result
 
         return sync_handler
+
+    async def _finishing(self, run: HandlerRun, awaitable: Awaitable[Any]) -> Any:
+        """Await what a synchronous handler returned; its run ends with it."""
+        try:
+            result = await awaitable
+        except BaseException as exc:
+            self._end(run, exc)
+            raise
+        self._end(run, None)
+        return result
 
     def _begin(self, instance: Instance, lease: tuple[str, str, int] | None = None) -> HandlerRun:
         execution_id, dispatch_id, attempt = lease or _lease_now()
@@ -293,6 +376,18 @@ class Fleet:
             run.outcome = type(error).__name__
         run.error = error
         self._notify()
+
+
+class _Awaiting:
+    """An awaitable that is no coroutine object, over one that is."""
+
+    __slots__ = ("_coroutine",)
+
+    def __init__(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        self._coroutine = coroutine
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._coroutine.__await__()
 
 
 def _lease_now() -> tuple[str, str, int]:

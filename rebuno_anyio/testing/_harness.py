@@ -6,14 +6,17 @@ joined by in-memory HTTP. Everything runs in one task group the `async with`
 owns, so nothing outlives the block.
 
 Time in the kernel moves only through `advance`, which then does at once what
-the dispatcher's reaper and timer would do when they next looked: re-queue
-lapsed leases and expire due approvals. Waits follow the execution's event log
+the agent's heartbeats and the dispatcher's reaper and timer would have done
+meanwhile: renew the leases of the handlers that are alive, re-queue the
+leases that lapsed (a crashed instance's, a stalled run's), expire due
+approvals. Waits follow the execution's event log
 (and the harness's own records), never the wall clock, and give up after a
 timeout with a message that shows where the execution stands.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from operator import methodcaller
@@ -23,7 +26,7 @@ from typing import Any, Final, TypeVar
 import anyio
 import httpx
 
-from rebuno_proto import DispatchSettings, DispatchStatus, Execution
+from rebuno_proto import DispatchSettings, DispatchStatus, Execution, encode_approval
 
 from .._client import Client
 from .._http import INTERNAL_ERROR, Request, Response
@@ -46,6 +49,7 @@ T = TypeVar("T")
 #: The statuses `wait` waits for by default.
 TERMINAL: Final = frozenset({"completed", "failed", "cancelled"})
 _STATUSES: Final = TERMINAL | {"pending", "running", "blocked"}
+_APPROVAL_STATUSES: Final = frozenset({"pending", "granted", "denied", "expired", "all"})
 _AGENT_HOST: Final = "http://agent.harness.invalid"
 _SECRET: Final = "harness-secret"
 
@@ -324,9 +328,24 @@ class AgentHarness:
         self, execution_id: str | None = None, *, status: str = "pending"
     ) -> list[Approval]:
         """Approvals with `status` (`pending`, `granted`, `denied`, `expired`,
-        `all`), of one execution or of all."""
-        found = await self.client.list_approvals(status=status, limit=1000)
-        return [a for a in found if execution_id in (None, a.execution_id)]
+        `all`), of one execution or of all, oldest first: every one of them
+        (read from the kernel's store, not a page of the API's listing).
+
+        Raises:
+            ValueError: `status` is none of those.
+        """
+        if status not in _APPROVAL_STATUSES:
+            raise ValueError(f"status must be one of {sorted(_APPROVAL_STATUSES)}, got {status!r}")
+        wanted = "" if status == "all" else status
+        found = await self.kernel.read(
+            lambda tx: [
+                approval
+                for approval in tx.approvals(status=wanted, limit=sys.maxsize)
+                if execution_id in (None, approval.execution_id)
+            ]
+        )
+        # The view `Client.list_approvals` gives: the API's own encoding.
+        return [Approval.model_validate_json(encode_approval(approval)) for approval in found]
 
     async def grant_approval(self, approval_id: str, *, rationale: str = "") -> None:
         """Grant: the execution resumes and the held step runs."""
@@ -348,10 +367,17 @@ class AgentHarness:
     # -- time and faults -------------------------------------------------------------------
 
     async def advance(self, seconds: float) -> None:
-        """Move the kernel's clock forward, then do what falls due: lapsed
-        leases are re-queued (and delivered again), due approvals expire,
-        deliveries waiting out a backoff go out."""
+        """Move the kernel's clock forward, then do what falls due.
+
+        First the leases of live handlers are renewed, as their heartbeats
+        would have renewed them meanwhile: a run whose instance is up holds
+        its lease however far the clock moves. Then the leases nobody renewed
+        for the lease timeout lapse -- those of a crashed instance and the one
+        `expire_lease` stalled -- and are re-queued and delivered again. Due
+        approvals expire, and deliveries waiting out a backoff go out.
+        """
         self.clock.advance(seconds)
+        await self._renew_live_leases()
         now = self.clock()
         lapsed = await self.kernel.read(
             methodcaller("lapsed_leases", now - self.settings.lease_timeout_s, 10_000)
@@ -370,9 +396,11 @@ class AgentHarness:
 
         The instance dies as a process would: the handler never hears back
         from that step, nothing more reaches the kernel, no outcome is
-        reported. The harness then lets its lease lapse (it advances the
-        clock by the lease timeout), and the kernel delivers the execution
-        again, to a fresh instance: recorded steps must replay there.
+        reported. The harness then brings up a fresh instance and lets the
+        crashed one's leases lapse (it advances the clock by the lease
+        timeout; the leases of handlers still alive elsewhere are renewed),
+        and the kernel delivers the executions again, to the fresh instance:
+        recorded steps must replay there.
         """
         self._fleet.crash_next_delivery(after_steps)
 
@@ -391,11 +419,15 @@ class AgentHarness:
     async def expire_lease(self, execution_id: str) -> None:
         """Let the execution's lease lapse while its handler is stalled.
 
-        The instance running it stops getting webhooks (it stays alive, as a
-        stalled or cut-off process would), the clock moves on by the lease
-        timeout, and the kernel re-queues the dispatch and delivers it again,
-        to a fresh instance. What the old handler sends after that is refused
-        with `lease_superseded`.
+        The handler counts as stalled from now on (the harness no longer
+        renews its lease when the clock moves, as a stalled process no longer
+        heartbeats) and its instance stops getting webhooks (it stays alive,
+        as a stalled or cut-off process would). A fresh instance comes up,
+        the clock moves on by the lease timeout, and the kernel re-queues the
+        dispatch and delivers it again, to the fresh instance. What the old
+        handler sends after that is refused with `lease_superseded`. Only
+        this lease lapses: every other live handler, on the old instance or
+        the new, keeps its own.
 
         Raises:
             HarnessError: the execution holds no lease (not delivered yet,
@@ -409,6 +441,7 @@ class AgentHarness:
                 f"execution {execution_id} holds no lease to expire "
                 f"(status {record.status.value}, dispatch {state})"
             )
+        self._fleet.stall(dispatch.lease())
         await self._fleet.start_instance(self._tg)
         await self.advance(self.settings.lease_timeout_s)
 
@@ -433,6 +466,22 @@ class AgentHarness:
                 f"the kernel API raised on {request.method} {request.target}", err
             )
             return INTERNAL_ERROR
+
+    async def _renew_live_leases(self) -> None:
+        """Renew, at the kernel's time now, each lease that is about to lapse
+        but whose handler would have kept it alive (`Fleet.keeps_alive`)."""
+        lease_s = self.settings.lease_timeout_s
+        lapsing = await self.kernel.read(
+            methodcaller("lapsed_leases", self.clock() - lease_s, 10_000)
+        )
+        for execution_id in lapsing:
+            record = await execution_record(self.kernel, execution_id)
+            dispatch = record.dispatch
+            if dispatch is None or dispatch.status is not DispatchStatus.IN_FLIGHT:
+                continue
+            lease = dispatch.lease()
+            if self._fleet.keeps_alive(execution_id, lease):
+                await self.kernel.heartbeat(execution_id, record.agent_id, lease)
 
     def _on_crash(self, instance: Instance) -> None:
         self._tg.start_soon(self._recover, instance)

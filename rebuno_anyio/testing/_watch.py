@@ -5,6 +5,11 @@ long poll) or the harness records something (a delivery, a handler run, an
 error): never on a timer. An error inside the kernel ends every wait at once
 as a `HarnessError`; a wait that runs out raises `HarnessTimeout` with what
 the caller describes.
+
+The runtime logs to the process-wide `rebuno` loggers, which every harness
+open at once listens to; each keeps only the lines logged inside it: by the
+tasks of its own task group (and their worker threads), which carry it in a
+context variable.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import threading
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from contextvars import ContextVar
 from typing import Final, TypeVar
 
 import anyio
@@ -30,6 +36,8 @@ __all__ = ["Watch"]
 T = TypeVar("T")
 _FOREVER_S: Final = 24 * 3600.0  # a long poll's limit; the wait's own timeout ends it first
 _LOGGERS: Final = ("rebuno", "rebuno_anyio")
+#: The watch of the harness whose task (or worker thread) is running now.
+_CURRENT: ContextVar[Watch | None] = ContextVar("rebuno_harness_watch", default=None)
 
 
 class Watch:
@@ -59,10 +67,13 @@ class Watch:
 
     @contextmanager
     def watching(self) -> Iterator[None]:
-        """Arm the board on this event loop, and keep the runtime's log lines."""
+        """Arm the board on this event loop, and keep the runtime's log lines:
+        those logged in this context (by this task, and the tasks and worker
+        threads it starts from here on, which copy it)."""
         self._loop_thread = threading.get_ident()
         self.notify()
         capture = _LogCapture(self)
+        token = _CURRENT.set(self)
         for name in _LOGGERS:
             logging.getLogger(name).addHandler(capture)
         try:
@@ -70,6 +81,10 @@ class Watch:
         finally:
             for name in _LOGGERS:
                 logging.getLogger(name).removeHandler(capture)
+            # Left in another context than it was entered (a fixture's
+            # teardown, say): that one never saw the value, nothing to undo.
+            with suppress(ValueError):
+                _CURRENT.reset(token)
 
     async def until(
         self,
@@ -163,6 +178,10 @@ class _LogCapture(logging.Handler):
     def __init__(self, watch: Watch) -> None:
         super().__init__(logging.WARNING)
         self._watch = watch
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # Logged on behalf of another harness (or of none): not ours to keep.
+        return _CURRENT.get() is self._watch and bool(super().filter(record))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
