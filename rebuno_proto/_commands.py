@@ -333,9 +333,16 @@ class KernelCommands:
         )
 
     def delivered(
-        self, records: Records, delivery: Delivery, *, is_acked: bool, jitter: float, now: float
+        self,
+        records: Records,
+        delivery: Delivery,
+        *,
+        is_acked: bool,
+        jitter: float,
+        now: float,
+        may_have_arrived: bool = False,
     ) -> Outcome[None]:
-        """Record how the webhook POST of `delivery` went."""
+        """Record how the webhook POST of `delivery` went (see `record_delivery`)."""
         execution = records.execution(delivery.execution_id)
         if execution is None:
             return Outcome(reply=None)
@@ -343,6 +350,7 @@ class KernelCommands:
             execution=execution,
             lease=delivery.lease(),
             is_acked=is_acked,
+            may_have_arrived=may_have_arrived,
             jitter=jitter,
             session=session_view(records, execution),
             new_id=self.new_id,

@@ -123,11 +123,21 @@ def record_delivery(
     new_id: NewId,
     now: float,
     settings: DispatchSettings,
+    may_have_arrived: bool = False,
 ) -> Outcome[None]:
     """Record how a webhook POST went. 2xx: `dispatch.acked`, the lease stays
     held. Otherwise `dispatch.failed`, and a retry after backoff -- or, on the
     last allowed attempt, the execution fails `dispatch_exhausted`. A result
-    for a lease that is no longer current changes nothing."""
+    for a lease that is no longer current changes nothing.
+
+    `may_have_arrived`: the POST got no answer (a timeout, a connection lost
+    after sending), so a handler may be running under this lease and holding a
+    `proceed` it may still act on (`may_start_body`). The retry then also
+    waits until the lease would have lapsed, so that a new attempt cannot
+    decide those steps first (found by the simulator, seed 693 of the
+    webhook-loss probe). A refused connection or a non-2xx answer retries
+    after the backoff alone.
+    """
     dispatch = execution.dispatch
     if (
         execution.status.is_terminal
@@ -155,6 +165,11 @@ def record_delivery(
         _exhausted(tx, execution, session, new_id, settings)
         return tx.outcome(None)
     due = now + backoff_delay(dispatch.attempt, jitter, settings)
+    if may_have_arrived:
+        due = max(
+            due,
+            (now if dispatch.locked_at is None else dispatch.locked_at) + settings.lease_timeout_s,
+        )
     failed = dataclasses.replace(
         dispatch,
         status=advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.DELIVERY_FAILED),

@@ -955,3 +955,27 @@ def test_restart_leaves_executions_without_a_lease_alone(ex: Execution) -> None:
     outcome = retire_lease_after_restart(execution=ex, now=T0, lease_timeout_s=30.0)
     assert outcome.reply is False
     assert outcome.change.is_empty
+
+
+@pytest.mark.parametrize("may_have_arrived", [False, True])
+def test_a_failed_delivery_that_may_have_arrived_waits_out_the_lease(
+    may_have_arrived: bool,
+) -> None:
+    settings = DispatchSettings(lease_timeout_s=30.0, backoff_base_s=1.0, backoff_max_s=2.0)
+    ex = execution(dispatch_record=dispatch(attempt=1, locked_at=T0))
+    outcome = record_delivery(
+        execution=ex,
+        lease=Lease(dispatch_id=DISPATCH_ID, attempt=1),
+        is_acked=False,
+        may_have_arrived=may_have_arrived,
+        jitter=0.0,
+        session=NO_SESSION,
+        new_id=no_ids,
+        now=T0 + 10,
+        settings=settings,
+    )
+    (written,) = outcome.change.executions
+    assert written.dispatch is not None
+    due = T0 + 30 if may_have_arrived else T0 + 10 + 1.0
+    assert written.dispatch.next_attempt_at == due
+    assert outcome.dispatch_due_at == due

@@ -566,3 +566,47 @@ async def test_a_cancelled_agent_write_still_drops_the_cached_agent(
         await kernel.register_agent("a", webhook_url="http://a.test/", secret="new")
     assert scope.cancel_called
     assert (await kernel.agent("a")).secret == "new"  # type: ignore[union-attr]
+
+
+# -- a webhook that may have arrived waits out its lease before a retry -----------------
+
+
+async def _raise_read_timeout(request: httpx.Request) -> httpx.Response:
+    raise httpx.ReadTimeout("no answer", request=request)
+
+
+async def _raise_connect_error(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+async def answer_503(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(503)
+
+
+@pytest.mark.parametrize(
+    ("handler", "waits_out_the_lease"),
+    [(_raise_read_timeout, True), (_raise_connect_error, False), (answer_503, False)],
+    ids=["sent-no-answer", "refused", "non-2xx"],
+)
+async def test_a_retry_waits_out_the_lease_only_if_the_webhook_may_have_arrived(
+    anyio_backend: str, handler: Handler, waits_out_the_lease: bool
+) -> None:
+    """A POST that got no answer may have started a handler, which may act on
+    a `proceed` until its lease would lapse: the retry waits until then
+    (simulator, webhook-loss probe seed 693). A refused connection or a
+    non-2xx answer never started one: the backoff alone applies."""
+    with anyio.fail_after(10):
+        async with rig(handler) as r:
+            await r.agent("a")
+            execution_id = await r.create("a")
+            events = await wait_for(r.kernel, execution_id, "dispatch.failed")
+            failed = payload(next(e for e in events if e.type == "dispatch.failed"))
+            assert failed["attempt"] == 1
+            record = await r.kernel.execution(execution_id)
+            assert not isinstance(record, Refusal)
+            assert record.dispatch is not None
+            wait = record.dispatch.next_attempt_at - record.created_at
+            if waits_out_the_lease:
+                assert wait >= SETTINGS.lease_timeout_s
+            else:
+                assert wait < 1.0

@@ -206,6 +206,55 @@ def test_seed_61258_a_crash_restart_waits_out_the_leases_it_retires(
     assert violation.invariant == "no_rerun_after_outcome"
 
 
+#: The webhook-loss probe: half the webhooks (and their answers) lost, and a
+#: third of the replies delayed up to 8 s, laid over a seed's own faults.
+WEBHOOK_LOSS = (
+    Fault(kind=FaultKind.DROP, at=0.0, duration=60.0, rate=0.5, messages=MessageClass.WEBHOOKS),
+    Fault(
+        kind=FaultKind.DELAY,
+        at=0.0,
+        duration=60.0,
+        rate=0.3,
+        delta=8.0,
+        messages=MessageClass.REPLIES,
+    ),
+)
+
+
+def test_ci_webhook_loss_seeds_break_no_invariant() -> None:
+    """300 seeds with the webhook-loss probe laid over their own faults."""
+    config = SimConfig()
+    failed = [
+        (seed, result.violations)
+        for seed in range(300)
+        if not (
+            result := run(seed, plan=FaultPlan(draw_plan(seed, config).faults + WEBHOOK_LOSS))
+        ).ok
+    ]
+    assert failed == []
+
+
+def test_seed_693_webhook_loss_a_retry_waits_out_a_lease_that_may_be_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the simulator (seed 693 under the webhook-loss probe): a
+    webhook's answer was lost, so the kernel retried the delivery after its
+    backoff while the first handler, on the other process, was still running
+    and had a `proceed` on the way; the retry completed that step, then the
+    late `proceed` ran its body again. Fixed in `record_delivery`: a POST that
+    got no answer is retried only once its lease would have lapsed."""
+    plan = FaultPlan(draw_plan(693, SimConfig()).faults + WEBHOOK_LOSS)
+    assert run(693, plan=plan).ok
+    real = commands_module.record_delivery
+    monkeypatch.setattr(
+        commands_module,
+        "record_delivery",
+        lambda **kwargs: real(**{**kwargs, "may_have_arrived": False}),  # the old rule
+    )
+    (violation,) = run(693, plan=plan).violations
+    assert violation.invariant == "no_rerun_after_outcome"
+
+
 @pytest.mark.slow
 def test_long_run(request: pytest.FixtureRequest) -> None:
     if "slow" not in str(request.config.getoption("markexpr")):

@@ -18,11 +18,13 @@ execution it concerns, the loop backs off for one poll interval and goes on.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
 from operator import methodcaller
+from typing import Final
 
 import anyio
 import httpx
@@ -36,6 +38,26 @@ from ._service import Kernel
 __all__ = ["Dispatcher"]
 
 log = logging.getLogger("rebuno.kernel.dispatcher")
+
+
+#: Errors after which a webhook may have reached the agent: it was (being) sent
+#: and no answer came. Anything else (no connection, a bad URL) never arrived.
+_MAYBE_ARRIVED: Final = (
+    TimeoutError,
+    httpx.ReadTimeout,
+    httpx.WriteTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
+
+
+class _Posted(enum.Enum):
+    """How a webhook POST went (see `Dispatcher._post`)."""
+
+    ACKED = "acked"
+    REFUSED = "refused"
+    UNANSWERED = "unanswered"
 
 
 class _Alarm:
@@ -177,21 +199,25 @@ class Dispatcher:
         (acquired by the claim loop) until done."""
         try:
             try:
-                is_acked = await self._post(delivery)
+                result = await self._post(delivery)
             except anyio.get_cancelled_exc_class():
-                # Shutting down mid-POST: count it a failed delivery, so after a
-                # clean restart (leases kept) it is retried within a backoff,
-                # not left in flight until its lease lapses.
+                # Shutting down mid-POST: count it a failed delivery that may
+                # have arrived, so after a clean restart (leases kept) it is
+                # retried once its lease would have lapsed.
                 # The store may be gone already: then the lease covers it.
                 with (
                     anyio.CancelScope(shield=True),
                     anyio.move_on_after(2.0),
                     contextlib.suppress(Exception),
                 ):
-                    await self.kernel.delivered(delivery, is_acked=False)
+                    await self.kernel.delivered(delivery, is_acked=False, may_have_arrived=True)
                 raise
             try:
-                await self.kernel.delivered(delivery, is_acked=is_acked)
+                await self.kernel.delivered(
+                    delivery,
+                    is_acked=result is _Posted.ACKED,
+                    may_have_arrived=result is _Posted.UNANSWERED,
+                )
             except Exception as err:
                 # The dispatch stays in flight; the reaper re-queues it when
                 # its lease lapses.
@@ -204,9 +230,12 @@ class Dispatcher:
         finally:
             self._slots.release()
 
-    async def _post(self, delivery: Delivery) -> bool:
-        """Send the webhook; True if the agent answered 2xx. Any error (not
-        only an `httpx.HTTPError`) is a failed delivery."""
+    async def _post(self, delivery: Delivery) -> _Posted:
+        """Send the webhook: `ACKED` if the agent answered 2xx; `REFUSED` if
+        it never got it (not registered, no connection, a non-2xx answer);
+        `UNANSWERED` if it was sent and no answer came (a timeout, a
+        connection lost): a handler may be running then. Any error, not only
+        an `httpx.HTTPError`, is a failed delivery."""
         url = "?"
         try:
             agent = await self.kernel.agent(delivery.agent_id)
@@ -216,7 +245,7 @@ class Dispatcher:
                     delivery.agent_id,
                     delivery.execution_id,
                 )
-                return False
+                return _Posted.REFUSED
             url = agent.webhook_url
             body = encode_webhook(delivery, self.kernel.settings.lease_timeout_s)
             headers = {
@@ -241,9 +270,9 @@ class Dispatcher:
                 text,
                 exc_info=not isinstance(err, httpx.HTTPError | TimeoutError | StoreError),
             )
-            return False
+            return _Posted.UNANSWERED if isinstance(err, _MAYBE_ARRIVED) else _Posted.REFUSED
         if 200 <= status < 300:
-            return True
+            return _Posted.ACKED
         log.info(
             "delivery of %s attempt %d to %s answered %d",
             delivery.execution_id,
@@ -251,7 +280,7 @@ class Dispatcher:
             url,
             status,
         )
-        return False
+        return _Posted.REFUSED
 
     # -- leases and approvals -------------------------------------------------------------
 

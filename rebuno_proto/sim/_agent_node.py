@@ -115,7 +115,7 @@ class AgentNode:
     def stall(self, duration: float) -> None:
         self.stalled_until = max(self.stalled_until, self.w.now + duration)
 
-    def webhook(self, payload: WebhookPayload, answered: Callable[[bool], None]) -> None:
+    def webhook(self, payload: WebhookPayload, answered: Callable[[bool | None], None]) -> None:
         """A webhook arrives (the kernel waits for the answer, or times out)."""
         if not self.up:
             self.w.at(self.w.now + 0.001, lambda: answered(False))  # connection refused

@@ -150,14 +150,16 @@ class KernelNode:
             f"to {agent.name}"
         )
 
-        def answered(acked: bool) -> None:
+        def answered(acked: bool | None) -> None:
             if incarnation == self.incarnation and self.up:
                 self._delivered(key, acked)
 
         self.w.send(MessageClass.WEBHOOKS, agent, lambda: agent.webhook(payload, answered))
-        self.w.at(self.w.now + self.w.config.delivery_timeout_s, lambda: answered(False))
+        self.w.at(self.w.now + self.w.config.delivery_timeout_s, lambda: answered(None))
 
-    def _delivered(self, key: tuple[str, str, int], acked: bool) -> None:
+    def _delivered(self, key: tuple[str, str, int], acked: bool | None) -> None:
+        """Record a POST's result: acked, refused (`False`: it never arrived),
+        or unanswered (`None`: it may have)."""
         delivery = self.deliveries.pop(key, None)
         if delivery is None:
             return  # already answered (or timed out)
@@ -165,7 +167,12 @@ class KernelNode:
         self.run(
             "delivered",
             lambda tx, now: self.w.commands.delivered(
-                tx, delivery, is_acked=acked, jitter=jitter, now=now
+                tx,
+                delivery,
+                is_acked=acked is True,
+                may_have_arrived=acked is None,
+                jitter=jitter,
+                now=now,
             ),
         )
 
@@ -178,7 +185,7 @@ class KernelNode:
             # A clean stop records the deliveries it cuts short as failed, and
             # keeps the counters (the real kernel saves them with a marker).
             for key in list(self.deliveries):
-                self._delivered(key, False)
+                self._delivered(key, None)  # cut short: it may have arrived
         self.up = False
         self.incarnation += 1
         self.deliveries.clear()
