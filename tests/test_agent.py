@@ -562,3 +562,18 @@ class DispatchMachine(RuleBasedStateMachine):
 
 TestDispatchMachine = DispatchMachine.TestCase
 TestDispatchMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+class _AsyncCallable:
+    async def __call__(self, x: int) -> int:
+        return x * 2
+
+
+@pytest.mark.anyio
+async def test_offload_awaits_an_object_with_async_call() -> None:
+    """Not in a worker thread: trio refuses a coroutine returned from one."""
+    from rebuno_anyio.agent._context import is_async_callable, offload
+
+    assert is_async_callable(_AsyncCallable())
+    assert not is_async_callable(_AsyncCallable)  # the class itself makes an object
+    assert await offload(_AsyncCallable(), 21) == 42

@@ -77,10 +77,17 @@ def error_message(error: Any) -> str:
     return str(error)
 
 
+def is_async_callable(fn: object) -> bool:
+    """An `async def` function, or an object whose `__call__` is one."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    return inspect.iscoroutinefunction(inspect.getattr_static(type(fn), "__call__", None))
+
+
 async def offload(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """Call `fn`; a synchronous function runs in a worker thread so it cannot
     starve the heartbeat. An awaitable result is awaited."""
-    if inspect.iscoroutinefunction(fn):
+    if is_async_callable(fn):
         return await fn(*args, **kwargs)
     result = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
     if inspect.isawaitable(result):

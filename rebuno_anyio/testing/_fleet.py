@@ -40,6 +40,7 @@ from rebuno_proto import Lease
 from .._h11client import ConnectionLost
 from .._http import INTERNAL_ERROR, Handler, Request, Response
 from ..agent import Agent, KernelClient, execution
+from ..agent._context import is_async_callable
 from ._clock import FakeClock
 from ._records import Delivery, HandlerRun
 
@@ -291,15 +292,15 @@ class Fleet:
         """`process`, recording each call in `runs`; the signature (the input
         schema) and the sync/async kind stay as they are.
 
-        A synchronous callable runs in a worker thread, as the agent runs it;
-        when it returns an awaitable (an object with `async def __call__`, a
-        function returning a coroutine) the run lasts until that is awaited,
-        on the event loop, as the agent awaits it. Except a coroutine under
-        trio: trio refuses a coroutine returned from a worker thread, and so
-        the agent fails such a handler there; the harness fails it too, with
-        a message that says why.
+        An `async def` function, or an object with `async def __call__`, is
+        awaited on the event loop. A synchronous callable runs in a worker
+        thread, as the agent runs it; when it returns an awaitable the run
+        lasts until that is awaited, on the event loop, as the agent awaits
+        it. Except a coroutine under trio: trio refuses a coroutine returned
+        from a worker thread, and so the agent fails such a handler there; the
+        harness fails it too, with a message that says why.
         """
-        if inspect.iscoroutinefunction(process):
+        if is_async_callable(process):
 
             @functools.wraps(process)
             async def handler(*args: Any, **kwargs: Any) -> Any:
