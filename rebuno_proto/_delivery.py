@@ -153,7 +153,7 @@ def record_delivery(
         execution = tx.put(renew_lease(execution, now, always=True))
         tx.log(execution).dispatch(_T.DISPATCH_ACKED, dispatch, "acked")
         return tx.outcome(None)
-    if dispatch.attempt >= dispatch.max_attempts:
+    if dispatch.attempt >= dispatch.max_attempts and not may_have_arrived:
         failed = dataclasses.replace(
             dispatch,
             status=advance(
@@ -166,6 +166,9 @@ def record_delivery(
         return tx.outcome(None)
     due = now + backoff_delay(dispatch.attempt, jitter, settings)
     if may_have_arrived:
+        # On the last attempt too: the next claim then finds no attempt left
+        # and fails the execution `dispatch_exhausted`, once no handler of
+        # this one can still act.
         due = max(
             due,
             (now if dispatch.locked_at is None else dispatch.locked_at) + settings.lease_timeout_s,

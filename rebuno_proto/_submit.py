@@ -296,7 +296,15 @@ def decide_submission(
     )
     log.step(_T.STEP_ALLOWED, step, rule_id=verdict.rule_id)
     log.step(_T.STEP_EXECUTING, step)
+    _renew_for_proceed(tx, execution)
     return tx.outcome(StepDecision(decision=Decision.PROCEED, step_id=step.step_id))
+
+
+def _renew_for_proceed(tx: Tx, execution: Execution) -> None:
+    """A `proceed` renews the lease now, whatever `RENEW_EVERY_S` says: the
+    agent may act on it for a lease timeout from when it asked
+    (`may_start_body`), so the kernel must hold the lease that long."""
+    tx.put(renew_lease(tx.execution(execution.id), tx.now, always=True))
 
 
 def _stricter(first: Idempotency, second: Idempotency) -> Idempotency:
@@ -335,6 +343,7 @@ def _decide_existing(
             )
         )
         tx.log(execution).step(_T.STEP_EXECUTING, step)
+        _renew_for_proceed(tx, execution)
         return StepDecision(decision=Decision.PROCEED, step_id=step.step_id)
     # An orphan: executing, submitted again by a later attempt (§6.2). The
     # idempotency of *this* submission decides -- unless the body already ran
@@ -346,6 +355,7 @@ def _decide_existing(
         and step.idempotency is Idempotency.SAFE_TO_RETRY
     ):
         advance(STEP_TRANSITIONS, status, StepTrigger.ORPHAN_RETRIED)
+        _renew_for_proceed(tx, execution)
         return StepDecision(decision=Decision.PROCEED, step_id=step.step_id)
     step = tx.put_step(
         dataclasses.replace(

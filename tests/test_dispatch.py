@@ -979,3 +979,36 @@ def test_a_failed_delivery_that_may_have_arrived_waits_out_the_lease(
     due = T0 + 30 if may_have_arrived else T0 + 10 + 1.0
     assert written.dispatch.next_attempt_at == due
     assert outcome.dispatch_due_at == due
+
+
+def test_an_unanswered_last_attempt_waits_out_the_lease_before_exhausting() -> None:
+    """A handler may still be running under it: the execution is not failed
+    (nor its session's next admitted) until no handler of it can act."""
+    settings = DispatchSettings(lease_timeout_s=30.0, max_attempts=2)
+    ex = execution(dispatch_record=dispatch(attempt=2, max_attempts=2, locked_at=T0))
+    lease = Lease(dispatch_id=DISPATCH_ID, attempt=2)
+
+    def record(may_have_arrived: bool) -> Outcome[None]:
+        return record_delivery(
+            execution=ex,
+            lease=lease,
+            is_acked=False,
+            may_have_arrived=may_have_arrived,
+            jitter=0.0,
+            session=NO_SESSION,
+            new_id=no_ids,
+            now=T0 + 10,
+            settings=settings,
+        )
+
+    assert record(False).change.executions[0].status is ExecutionStatus.FAILED
+    (waiting,) = record(True).change.executions
+    assert waiting.status is ExecutionStatus.RUNNING
+    assert waiting.dispatch is not None
+    assert waiting.dispatch.next_attempt_at == T0 + 30
+    exhausted = claim_dispatch(
+        execution=waiting, session=NO_SESSION, new_id=no_ids, now=T0 + 30, settings=settings
+    )
+    assert reply(exhausted) is None
+    (ended,) = exhausted.change.executions
+    assert (ended.status, ended.failure_reason) == (ExecutionStatus.FAILED, "dispatch_exhausted")

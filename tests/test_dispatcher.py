@@ -38,6 +38,7 @@ from rebuno_anyio.store import MemoryStore, SQLiteStore, Store, StoreError
 from rebuno_proto import (
     Agent,
     DispatchSettings,
+    DispatchStatus,
     Event,
     Refusal,
     parse_create_execution,
@@ -610,3 +611,122 @@ async def test_a_retry_waits_out_the_lease_only_if_the_webhook_may_have_arrived(
                 assert wait >= SETTINGS.lease_timeout_s
             else:
                 assert wait < 1.0
+
+
+async def _raise_connect_timeout(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectTimeout("no connection", request=request)
+
+
+async def _raise_pool_timeout(request: httpx.Request) -> httpx.Response:
+    raise httpx.PoolTimeout("no free connection", request=request)
+
+
+async def answer_502(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(502)
+
+
+async def answer_504(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(504)
+
+
+@pytest.mark.parametrize(
+    ("handler", "waits_out_the_lease"),
+    [
+        (_raise_connect_timeout, False),
+        (_raise_pool_timeout, False),
+        (answer_502, True),  # a proxy: the agent behind it may have got it
+        (answer_504, True),
+    ],
+    ids=["connect-timeout", "pool-timeout", "502", "504"],
+)
+async def test_how_each_failure_is_retried(
+    anyio_backend: str, handler: Handler, waits_out_the_lease: bool
+) -> None:
+    with anyio.fail_after(10):
+        async with rig(handler) as r:
+            await r.agent("a")
+            execution_id = await r.create("a")
+            await wait_for(r.kernel, execution_id, "dispatch.failed")
+            record = await r.kernel.execution(execution_id)
+            assert not isinstance(record, Refusal)
+            assert record.dispatch is not None
+            wait = record.dispatch.next_attempt_at - record.created_at
+            assert (wait >= SETTINGS.lease_timeout_s) is waits_out_the_lease
+
+
+async def test_our_deadline_before_anything_was_sent_retries_after_the_backoff(
+    anyio_backend: str,
+) -> None:
+    """A mock agent that never answers sends no trace of a request going out:
+    the deadline alone does not make it `may have arrived`."""
+    never = anyio.Event()
+
+    async def hang(request: httpx.Request) -> httpx.Response:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    with anyio.fail_after(10):
+        async with rig(hang, delivery_timeout_s=0.05) as r:
+            await r.agent("a")
+            execution_id = await r.create("a")
+            await wait_for(r.kernel, execution_id, "dispatch.failed")
+            record = await r.kernel.execution(execution_id)
+            assert not isinstance(record, Refusal)
+            assert record.dispatch is not None
+            assert record.dispatch.next_attempt_at - record.created_at < 1.0
+
+
+async def test_a_silent_agent_that_got_the_request_waits_out_the_lease(
+    anyio_backend: str,
+) -> None:
+    """Over a real socket: the request went out, no answer came in time."""
+    got_request = anyio.Event()
+
+    async def silent(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await stream.receive()
+            got_request.set()
+            await anyio.sleep_forever()
+
+    with anyio.fail_after(10):
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with listener, anyio.create_task_group() as server:
+            server.start_soon(listener.serve, silent)
+            async with rig(None, delivery_timeout_s=0.5) as r:
+                await r.agent("a", f"http://127.0.0.1:{port}/webhook")
+                execution_id = await r.create("a")
+                await wait_for(r.kernel, execution_id, "dispatch.failed")
+                assert got_request.is_set()
+                record = await r.kernel.execution(execution_id)
+                assert not isinstance(record, Refusal)
+                assert record.dispatch is not None
+                assert record.dispatch.next_attempt_at - record.created_at >= (
+                    SETTINGS.lease_timeout_s
+                )
+            server.cancel_scope.cancel()
+
+
+async def test_a_shutdown_mid_post_leaves_the_lease_in_flight(anyio_backend: str) -> None:
+    """The webhook may have arrived: a handler that got it carries on across
+    a clean restart, and the reaper re-queues the dispatch if none did."""
+    posted = anyio.Event()
+
+    async def hang(request: httpx.Request) -> httpx.Response:
+        posted.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    with anyio.fail_after(10):
+        async with rig(hang) as r:
+            await r.agent("a")
+            execution_id = await r.create("a")
+            await posted.wait()
+        # The rig (the dispatcher with it) has stopped mid-POST.
+        record = await r.kernel.execution(execution_id)
+        assert not isinstance(record, Refusal)
+        assert record.dispatch is not None
+        assert record.dispatch.status is DispatchStatus.IN_FLIGHT
+        events = await r.kernel.events(execution_id, after_seq=0, limit=100)
+        assert isinstance(events, list)
+        assert "dispatch.failed" not in [e.type for e in events]

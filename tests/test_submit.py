@@ -615,6 +615,23 @@ def test_submit_skips_renewal_within_a_second() -> None:
     assert len(outcome.change.counters) == 1
 
 
+@pytest.mark.parametrize(
+    "existing",
+    [None, step(SUB, StepStatus.EXECUTING), step(SUB, StepStatus.ALLOWED)],
+    ids=["new", "orphan", "approved"],
+)
+def test_a_proceed_always_renews_the_lease(existing: Step | None) -> None:
+    """The agent may act on a `proceed` for a lease timeout from when it asked
+    (`may_start_body`), so every `proceed` renews, even within a second."""
+    outcome = decide(
+        ex=execution(dispatch_record=dispatch(locked_at=T0)), now=T0 + 0.5, existing=existing
+    )
+    assert reply(outcome).decision is Decision.PROCEED
+    (ex,) = outcome.change.executions
+    assert ex.dispatch is not None
+    assert ex.dispatch.locked_at == T0 + 0.5
+
+
 # -- complete / fail step ----------------------------------------------------------------
 
 EXECUTING = step(SUB, StepStatus.EXECUTING)

@@ -52,8 +52,16 @@ from ._kernel_client import KernelClient, encode_json
 
 __all__ = ["ExecutionContext", "Result", "current", "execution", "offload", "previous"]
 
+
+def _boot_clock() -> float:
+    """Seconds on a clock that keeps counting while the machine or VM is
+    suspended (Linux `CLOCK_BOOTTIME`): a frozen process must see the time it
+    lost. Elsewhere, the monotonic clock."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 #: The clock a `proceed`'s age is measured on (a test may replace it).
-_monotonic = time.monotonic
+_monotonic = _boot_clock if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic
 log = logging.getLogger("rebuno.agent")
 T = TypeVar("T")
 
@@ -207,21 +215,24 @@ class ExecutionContext:
         """Submit a step. A `proceed` that came back too late to act on (see
         `rebuno_proto.may_start_body`) stops the handler as a lost lease does."""
         asked_at = _monotonic()
-        decision = await self._kernel_call(
-            lambda: self._kernel.submit_step(
+
+        async def call() -> dict[str, Any]:
+            # On the owner loop (`_kernel_call`), so the `LeaseSuperseded`
+            # raised here stops the handler from the loop that owns its scope.
+            decision = await self._kernel.submit_step(
                 self.id, self.lease, kind=kind, target=target, args=args, idempotency=idempotency
             )
-        )
-        if decision.get("decision") == "proceed" and not may_start_body(
-            asked_at=asked_at,
-            now=(answered_at := _monotonic()),
-            lease_timeout_s=self.lease_timeout_s,
-        ):
-            self.lease_lost()
-            raise LeaseSuperseded(
-                f"the kernel's proceed for {target!r} came back after "
-                f"{answered_at - asked_at:.1f} s: the lease may have lapsed"
-            )
+            answered_at = _monotonic()
+            if decision.get("decision") == "proceed" and not may_start_body(
+                asked_at=asked_at, now=answered_at, lease_timeout_s=self.lease_timeout_s
+            ):
+                raise LeaseSuperseded(
+                    f"the kernel's proceed for {target!r} came back after "
+                    f"{answered_at - asked_at:.1f} s: the lease may have lapsed"
+                )
+            return decision
+
+        decision = await self._kernel_call(call)
         return str(decision.get("step_id") or ""), decision
 
     def _refuse(self, meaning: Meaning, decision: dict[str, Any]) -> None:

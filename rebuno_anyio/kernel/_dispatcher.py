@@ -17,7 +17,6 @@ execution it concerns, the loop backs off for one poll interval and goes on.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import logging
@@ -41,15 +40,17 @@ log = logging.getLogger("rebuno.kernel.dispatcher")
 
 
 #: Errors after which a webhook may have reached the agent: it was (being) sent
-#: and no answer came. Anything else (no connection, a bad URL) never arrived.
+#: and no answer came. Anything else (no connection, a bad URL) never arrived;
+#: our own deadline (`TimeoutError`) counts once the request began to go out.
 _MAYBE_ARRIVED: Final = (
-    TimeoutError,
     httpx.ReadTimeout,
     httpx.WriteTimeout,
     httpx.ReadError,
     httpx.WriteError,
     httpx.RemoteProtocolError,
 )
+#: Answers a proxy gives when the agent behind it may have got the request.
+_GATEWAY_LOST: Final = frozenset({502, 504})
 
 
 class _Posted(enum.Enum):
@@ -198,20 +199,11 @@ class Dispatcher:
         """POST one claimed dispatch and record how it went; holds a slot
         (acquired by the claim loop) until done."""
         try:
-            try:
-                result = await self._post(delivery)
-            except anyio.get_cancelled_exc_class():
-                # Shutting down mid-POST: count it a failed delivery that may
-                # have arrived, so after a clean restart (leases kept) it is
-                # retried once its lease would have lapsed.
-                # The store may be gone already: then the lease covers it.
-                with (
-                    anyio.CancelScope(shield=True),
-                    anyio.move_on_after(2.0),
-                    contextlib.suppress(Exception),
-                ):
-                    await self.kernel.delivered(delivery, is_acked=False, may_have_arrived=True)
-                raise
+            # Shutting down mid-POST records nothing: the webhook may have
+            # arrived, so the lease stays in flight -- a handler that got it
+            # carries on across a clean restart, and if none did, the reaper
+            # re-queues the dispatch when the lease lapses.
+            result = await self._post(delivery)
             try:
                 await self.kernel.delivered(
                     delivery,
@@ -237,6 +229,14 @@ class Dispatcher:
         connection lost): a handler may be running then. Any error, not only
         an `httpx.HTTPError`, is a failed delivery."""
         url = "?"
+        status: int | None = None
+        sending = False
+
+        async def trace(event: str, info: dict[str, object]) -> None:
+            nonlocal sending
+            if event.endswith(".send_request_headers.started"):
+                sending = True
+
         try:
             agent = await self.kernel.agent(delivery.agent_id)
             if agent is None:
@@ -258,9 +258,13 @@ class Dispatcher:
             # slot for ever. The whole exchange gets the deadline, and the body
             # of the answer is never read (only its status counts).
             with anyio.fail_after(self.delivery_timeout_s):
-                async with self._http.stream("POST", url, content=body, headers=headers) as reply:
+                async with self._http.stream(
+                    "POST", url, content=body, headers=headers, extensions={"trace": trace}
+                ) as reply:
                     status = reply.status_code
         except Exception as err:
+            if status is not None and 200 <= status < 300:
+                return _Posted.ACKED  # answered; only closing the stream failed
             text = "timed out" if isinstance(err, TimeoutError) else str(err) or type(err).__name__
             log.info(
                 "delivery of %s attempt %d to %s failed: %s",
@@ -270,7 +274,8 @@ class Dispatcher:
                 text,
                 exc_info=not isinstance(err, httpx.HTTPError | TimeoutError | StoreError),
             )
-            return _Posted.UNANSWERED if isinstance(err, _MAYBE_ARRIVED) else _Posted.REFUSED
+            maybe = isinstance(err, _MAYBE_ARRIVED) or (isinstance(err, TimeoutError) and sending)
+            return _Posted.UNANSWERED if maybe else _Posted.REFUSED
         if 200 <= status < 300:
             return _Posted.ACKED
         log.info(
@@ -280,7 +285,7 @@ class Dispatcher:
             url,
             status,
         )
-        return _Posted.REFUSED
+        return _Posted.UNANSWERED if status in _GATEWAY_LOST else _Posted.REFUSED
 
     # -- leases and approvals -------------------------------------------------------------
 
