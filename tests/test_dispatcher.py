@@ -584,10 +584,34 @@ async def answer_503(request: httpx.Request) -> httpx.Response:
     return httpx.Response(503)
 
 
+async def _raise_connect_timeout(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectTimeout("no connection", request=request)
+
+
+async def _raise_pool_timeout(request: httpx.Request) -> httpx.Response:
+    raise httpx.PoolTimeout("no free connection", request=request)
+
+
+async def answer_502(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(502)
+
+
+async def answer_504(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(504)
+
+
 @pytest.mark.parametrize(
     ("handler", "waits_out_the_lease"),
-    [(_raise_read_timeout, True), (_raise_connect_error, False), (answer_503, False)],
-    ids=["sent-no-answer", "refused", "non-2xx"],
+    [
+        (_raise_read_timeout, True),
+        (_raise_connect_error, False),
+        (answer_503, False),
+        (_raise_connect_timeout, False),
+        (_raise_pool_timeout, False),
+        (answer_502, True),  # a proxy: the agent behind it may have got it
+        (answer_504, True),
+    ],
+    ids=["sent-no-answer", "refused", "503", "connect-timeout", "pool-timeout", "502", "504"],
 )
 async def test_a_retry_waits_out_the_lease_only_if_the_webhook_may_have_arrived(
     anyio_backend: str, handler: Handler, waits_out_the_lease: bool
@@ -611,47 +635,6 @@ async def test_a_retry_waits_out_the_lease_only_if_the_webhook_may_have_arrived(
                 assert wait >= SETTINGS.lease_timeout_s
             else:
                 assert wait < 1.0
-
-
-async def _raise_connect_timeout(request: httpx.Request) -> httpx.Response:
-    raise httpx.ConnectTimeout("no connection", request=request)
-
-
-async def _raise_pool_timeout(request: httpx.Request) -> httpx.Response:
-    raise httpx.PoolTimeout("no free connection", request=request)
-
-
-async def answer_502(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(502)
-
-
-async def answer_504(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(504)
-
-
-@pytest.mark.parametrize(
-    ("handler", "waits_out_the_lease"),
-    [
-        (_raise_connect_timeout, False),
-        (_raise_pool_timeout, False),
-        (answer_502, True),  # a proxy: the agent behind it may have got it
-        (answer_504, True),
-    ],
-    ids=["connect-timeout", "pool-timeout", "502", "504"],
-)
-async def test_how_each_failure_is_retried(
-    anyio_backend: str, handler: Handler, waits_out_the_lease: bool
-) -> None:
-    with anyio.fail_after(10):
-        async with rig(handler) as r:
-            await r.agent("a")
-            execution_id = await r.create("a")
-            await wait_for(r.kernel, execution_id, "dispatch.failed")
-            record = await r.kernel.execution(execution_id)
-            assert not isinstance(record, Refusal)
-            assert record.dispatch is not None
-            wait = record.dispatch.next_attempt_at - record.created_at
-            assert (wait >= SETTINGS.lease_timeout_s) is waits_out_the_lease
 
 
 async def test_our_deadline_before_anything_was_sent_retries_after_the_backoff(

@@ -241,6 +241,14 @@ def draw_plan(seed: int, config: SimConfig) -> FaultPlan:
     return FaultPlan(tuple(faults))
 
 
+#: How long a fault aimed at one agent process lasts, in seconds (low, high).
+_PROCESS_FAULT_SECONDS: Final = {
+    FaultKind.PARTITION: (1.0, 70.0),
+    FaultKind.AGENT_CRASH: (0.1, 60.0),
+    FaultKind.AGENT_STALL: (1.0, 70.0),
+}
+
+
 def _draw_fault(rng: random.Random, config: SimConfig) -> Fault:
     kind = rng.choice(list(FaultKind))
     at = round(rng.uniform(0.0, config.fault_window_s), 3)
@@ -255,27 +263,12 @@ def _draw_fault(rng: random.Random, config: SimConfig) -> Fault:
             delta=round(rng.uniform(0.1, 20.0), 3) if kind is FaultKind.DELAY else 0.0,
             messages=rng.choice(list(MessageClass)),
         )
-    if kind is FaultKind.PARTITION:
+    if kind in _PROCESS_FAULT_SECONDS:
+        low, high = _PROCESS_FAULT_SECONDS[kind]
         return Fault(
             kind=kind,
             at=at,
-            duration=round(rng.uniform(1.0, 70.0), 3),
-            agent=agent,
-            replica=replica,
-        )
-    if kind is FaultKind.AGENT_CRASH:
-        return Fault(
-            kind=kind,
-            at=at,
-            duration=round(rng.uniform(0.1, 60.0), 3),
-            agent=agent,
-            replica=replica,
-        )
-    if kind is FaultKind.AGENT_STALL:
-        return Fault(
-            kind=kind,
-            at=at,
-            duration=round(rng.uniform(1.0, 70.0), 3),
+            duration=round(rng.uniform(low, high), 3),
             agent=agent,
             replica=replica,
         )
