@@ -203,7 +203,9 @@ class LeaseLifecycle(RuleBasedStateMachine):
             assert isinstance(outcome.reply, StepDecision)
             assert outcome.reply.decision in (Decision.PROCEED, Decision.REPLAY)
             assert self.locked is not None
-            if self.k.now - self.locked >= 1.0:
+            # A proceed always renews (the agent may act on it for a lease
+            # timeout); anything else at most once a second.
+            if outcome.reply.decision is Decision.PROCEED or self.k.now - self.locked >= 1.0:
                 self.locked = self.k.now
         else:
             superseded(outcome)
