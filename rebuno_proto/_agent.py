@@ -67,15 +67,14 @@ def heartbeat_interval(lease_timeout_s: float) -> float:
 def may_start_body(*, asked_at: float, now: float, lease_timeout_s: float) -> bool:
     """Whether a `proceed` may still be acted on: the lease is surely still held.
 
-    Deciding `proceed` renewed the lease no earlier than `RENEW_EVERY_S` before
-    the request was sent (at `asked_at`, on the agent's monotonic clock). An
-    answer that took longer than the rest of the lease -- a process frozen
-    with it in a buffer, a reply delayed in the network -- may arrive after the
-    kernel re-queued the dispatch and another attempt resolved the step: the
-    body must not start then, and the handler stops as if its lease was lost.
-    (Leases assume clocks that run at the same rate: a kernel whose wall clock
-    steps forward expires them early.) A lease shorter than two renewal
-    periods keeps half of itself as the margin instead.
+    Deciding `proceed` renewed the lease, after the request was sent (at
+    `asked_at`, on the agent's monotonic clock). An answer that took longer
+    than the lease -- a process frozen with it in a buffer, a reply delayed in
+    the network -- may arrive after the kernel re-queued the dispatch and
+    another attempt resolved the step: the body must not start then, and the
+    handler stops as if its lease was lost. `RENEW_EVERY_S` (or half of a
+    shorter lease) is kept as a margin. (Leases assume clocks that run at the
+    same rate: a kernel whose wall clock steps forward expires them early.)
     """
     return now - asked_at < lease_timeout_s - min(RENEW_EVERY_S, lease_timeout_s / 2)
 
