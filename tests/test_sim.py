@@ -139,7 +139,7 @@ SEED_5737_WORKLOAD = Workload(
 )
 
 
-def test_seed_5737_harsh_at_most_once_body_never_reruns() -> None:
+def test_seed_5737_harsh_at_most_once_body_never_reruns(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by the simulator: a program calls `search` as safe_to_retry and
     then, with the same arguments, as at_most_once. Duplicated requests shift
     the occurrences, so a later attempt resubmitted the at_most_once step as
@@ -149,6 +149,16 @@ def test_seed_5737_harsh_at_most_once_body_never_reruns() -> None:
     result = run(5737, plan=SEED_5737_PLAN, workload=SEED_5737_WORKLOAD, config=config)
     assert result.ok, result.violations
     assert result.body_runs > 10
+    real = submit_module._decide_existing
+
+    def current_submission_only(tx: Any, execution: Any, step: Any, submission: Any) -> Any:
+        if step.status is StepStatus.EXECUTING:  # the old rule: ignore the stored idempotency
+            step = dataclasses.replace(step, idempotency=submission.idempotency)
+        return real(tx, execution, step, submission)
+
+    monkeypatch.setattr(submit_module, "_decide_existing", current_submission_only)
+    old = run(5737, plan=SEED_5737_PLAN, workload=SEED_5737_WORKLOAD, config=config)
+    assert [v.invariant for v in old.violations] == ["at_most_once"]
 
 
 SEED_1334_PLAN = FaultPlan(
