@@ -53,7 +53,9 @@ from ._canonical import Document, canonical_json, parse_document
 from ._commands import KernelCommands, Policy, Records, allow_all, lease_owner, session_view
 from ._delivery import (
     Delivery,
+    DeliveryResult,
     claim_dispatch,
+    delivery_result,
     holds_lease,
     lease_lapsed,
     reclaim_lease,
@@ -238,6 +240,7 @@ __all__ = [
     "Created",
     "Decision",
     "Delivery",
+    "DeliveryResult",
     "Dispatch",
     "DispatchReceived",
     "DispatchRecord",
@@ -324,6 +327,7 @@ __all__ = [
     "create_execution",
     "decide_approval",
     "decide_submission",
+    "delivery_result",
     "dumps",
     "encode_agent",
     "encode_approval",

@@ -17,6 +17,7 @@ from typing import Final, Protocol, TypeVar
 from ._approvals import ApprovalChoice, decide_approval, expire_approval
 from ._delivery import (
     Delivery,
+    DeliveryResult,
     claim_dispatch,
     reclaim_lease,
     record_delivery,
@@ -337,10 +338,9 @@ class KernelCommands:
         records: Records,
         delivery: Delivery,
         *,
-        is_acked: bool,
+        result: DeliveryResult,
         jitter: float,
         now: float,
-        may_have_arrived: bool = False,
     ) -> Outcome[None]:
         """Record how the webhook POST of `delivery` went (see `record_delivery`)."""
         execution = records.execution(delivery.execution_id)
@@ -349,8 +349,7 @@ class KernelCommands:
         return record_delivery(
             execution=execution,
             lease=delivery.lease(),
-            is_acked=is_acked,
-            may_have_arrived=may_have_arrived,
+            result=result,
             jitter=jitter,
             session=session_view(records, execution),
             new_id=self.new_id,

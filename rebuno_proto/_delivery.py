@@ -5,6 +5,7 @@ every lease at a kernel start."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,7 +29,9 @@ from ._tx import NewId, SessionView, Tx
 
 __all__ = [
     "Delivery",
+    "DeliveryResult",
     "claim_dispatch",
+    "delivery_result",
     "holds_lease",
     "lease_lapsed",
     "reclaim_lease",
@@ -113,31 +116,53 @@ def claim_dispatch(
     )
 
 
+class DeliveryResult(enum.Enum):
+    """How a webhook POST went."""
+
+    #: The agent answered 2xx: it took the dispatch.
+    ACKED = "acked"
+    #: It never reached a handler: no connection, a bad URL, a non-2xx answer.
+    REFUSED = "refused"
+    #: It was sent and no answer came (a timeout, a connection lost, a proxy's
+    #: 502 or 504): a handler may be running under its lease.
+    UNANSWERED = "unanswered"
+
+
+#: Answers a proxy gives when the agent behind it may have got the request.
+_GATEWAY_LOST: Final = frozenset({502, 504})
+
+
+def delivery_result(status: int) -> DeliveryResult:
+    """The result of a POST answered with HTTP `status` (by the agent, or by
+    a proxy in front of it)."""
+    if 200 <= status < 300:
+        return DeliveryResult.ACKED
+    return DeliveryResult.UNANSWERED if status in _GATEWAY_LOST else DeliveryResult.REFUSED
+
+
 def record_delivery(
     *,
     execution: Execution,
     lease: Lease,
-    is_acked: bool,
+    result: DeliveryResult,
     jitter: float,
     session: SessionView,
     new_id: NewId,
     now: float,
     settings: DispatchSettings,
-    may_have_arrived: bool = False,
 ) -> Outcome[None]:
-    """Record how a webhook POST went. 2xx: `dispatch.acked`, the lease stays
-    held. Otherwise `dispatch.failed`, and a retry after backoff -- or, on the
-    last allowed attempt, the execution fails `dispatch_exhausted`. A result
-    for a lease that is no longer current changes nothing.
+    """Record how a webhook POST went. `ACKED`: `dispatch.acked`, the lease
+    stays held. Otherwise `dispatch.failed`, and a retry after backoff -- or,
+    on the last allowed attempt, the execution fails `dispatch_exhausted`. A
+    result for a lease that is no longer current changes nothing.
 
-    `may_have_arrived`: the POST got no answer (a timeout, a connection lost
-    after sending), so a handler may be running under this lease and holding a
+    `UNANSWERED`: a handler may be running under this lease and holding a
     `proceed` it may still act on (`may_start_body`). The retry then also
     waits until the lease would have lapsed, so that a new attempt cannot
     decide those steps first (found by the simulator, seed 693 of the
-    webhook-loss probe). A refused connection or a non-2xx answer retries
-    after the backoff alone.
+    webhook-loss probe); on the last attempt the next claim exhausts it.
     """
+    may_have_arrived = result is DeliveryResult.UNANSWERED
     dispatch = execution.dispatch
     if (
         execution.status.is_terminal
@@ -148,7 +173,7 @@ def record_delivery(
         return Outcome(reply=None)
     tx = Tx(now)
     execution = tx.track(execution)
-    if is_acked:
+    if result is DeliveryResult.ACKED:
         advance(DISPATCH_TRANSITIONS, dispatch.status, DispatchTrigger.DELIVERY_ACKED)
         execution = tx.put(renew_lease(execution, now, always=True))
         tx.log(execution).dispatch(_T.DISPATCH_ACKED, dispatch, "acked")

@@ -16,6 +16,7 @@ from rebuno_proto import (
     Change,
     CreateExecution,
     Delivery,
+    DeliveryResult,
     DispatchRecord,
     DispatchSettings,
     DispatchStatus,
@@ -343,7 +344,7 @@ class Kernel:
             record_delivery(
                 execution=ex,
                 lease=lease,
-                is_acked=acked,
+                result=DeliveryResult.ACKED if acked else DeliveryResult.REFUSED,
                 jitter=jitter,
                 session=self.session_view(ex),
                 new_id=self.ids,

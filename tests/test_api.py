@@ -32,7 +32,7 @@ from rebuno_anyio.kernel import Kernel, KernelAPI
 from rebuno_anyio.kernel._api import _ROUTES
 from rebuno_anyio.policy import compile_bundle_text, policy_hook
 from rebuno_anyio.store import MemoryStore
-from rebuno_proto import DispatchSettings, Lease, sign_request
+from rebuno_proto import DeliveryResult, DispatchSettings, Lease, sign_request
 
 pytestmark = pytest.mark.anyio
 
@@ -242,7 +242,7 @@ class Harness:
         """Claim and acknowledge the execution's dispatch, as the dispatcher would."""
         delivery = await self.kernel.claim(execution_id)
         assert delivery is not None
-        await self.kernel.delivered(delivery, is_acked=True)
+        await self.kernel.delivered(delivery, DeliveryResult.ACKED)
         return delivery.lease()
 
     async def running(self, agent_id: str = AGENT, input: Any = None) -> tuple[str, Lease]:

@@ -4,6 +4,7 @@ tests do not reach (unknown ids), and the simulator's checker on its own."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ from rebuno_proto import (
     Change,
     CreateExecution,
     Delivery,
+    DeliveryResult,
     DispatchSettings,
     ErrorCode,
     Event,
@@ -50,7 +52,7 @@ def commands() -> KernelCommands:
     )
 
 
-def _not_found(outcome: Outcome[object]) -> str:
+def _not_found(outcome: Outcome[Any]) -> str:
     assert outcome.change.is_empty
     assert isinstance(outcome.reply, Refusal)
     assert outcome.reply.code is ErrorCode.NOT_FOUND
@@ -72,7 +74,10 @@ def test_unknown_ids_are_not_found_and_change_nothing(commands: KernelCommands) 
     # Background work about something gone is a quiet no-op.
     assert commands.claim(tx, MISSING, NOW).reply is None
     delivery = Delivery(execution_id=MISSING, agent_id="a", dispatch_id=MISSING, attempt=1)
-    assert commands.delivered(tx, delivery, is_acked=True, jitter=0.0, now=NOW).reply is None
+    assert (
+        commands.delivered(tx, delivery, result=DeliveryResult.ACKED, jitter=0.0, now=NOW).reply
+        is None
+    )
     assert commands.reclaim(tx, MISSING, NOW).reply is False
     assert commands.retire_after_restart(tx, NOW, execution_id=MISSING).reply is False
     assert commands.expire(tx, MISSING, NOW).reply is False

@@ -32,6 +32,7 @@ from rebuno_proto import (
     NO_SESSION,
     Decision,
     Delivery,
+    DeliveryResult,
     DispatchSettings,
     DispatchStatus,
     ErrorCode,
@@ -48,6 +49,7 @@ from rebuno_proto import (
     backoff_delay,
     check_owner,
     claim_dispatch,
+    delivery_result,
     end_execution,
     heartbeat,
     holds_lease,
@@ -347,7 +349,7 @@ def deliver(
     return record_delivery(
         execution=ex,
         lease=lease,
-        is_acked=acked,
+        result=DeliveryResult.ACKED if acked else DeliveryResult.REFUSED,
         jitter=jitter,
         session=NO_SESSION,
         new_id=no_ids,
@@ -957,26 +959,32 @@ def test_restart_leaves_executions_without_a_lease_alone(ex: Execution) -> None:
     assert outcome.change.is_empty
 
 
-@pytest.mark.parametrize("may_have_arrived", [False, True])
-def test_a_failed_delivery_that_may_have_arrived_waits_out_the_lease(
-    may_have_arrived: bool,
-) -> None:
-    settings = DispatchSettings(lease_timeout_s=30.0, backoff_base_s=1.0, backoff_max_s=2.0)
-    ex = execution(dispatch_record=dispatch(attempt=1, locked_at=T0))
-    outcome = record_delivery(
+def _record_failure(
+    ex: Execution, result: DeliveryResult, settings: DispatchSettings
+) -> Outcome[None]:
+    assert ex.dispatch is not None
+    return record_delivery(
         execution=ex,
-        lease=Lease(dispatch_id=DISPATCH_ID, attempt=1),
-        is_acked=False,
-        may_have_arrived=may_have_arrived,
+        lease=ex.dispatch.lease(),
+        result=result,
         jitter=0.0,
         session=NO_SESSION,
         new_id=no_ids,
         now=T0 + 10,
         settings=settings,
     )
+
+
+@pytest.mark.parametrize("result", [DeliveryResult.REFUSED, DeliveryResult.UNANSWERED])
+def test_a_failed_delivery_that_may_have_arrived_waits_out_the_lease(
+    result: DeliveryResult,
+) -> None:
+    settings = DispatchSettings(lease_timeout_s=30.0, backoff_base_s=1.0, backoff_max_s=2.0)
+    ex = execution(dispatch_record=dispatch(attempt=1, locked_at=T0))
+    outcome = _record_failure(ex, result, settings)
     (written,) = outcome.change.executions
     assert written.dispatch is not None
-    due = T0 + 30 if may_have_arrived else T0 + 10 + 1.0
+    due = T0 + 30 if result is DeliveryResult.UNANSWERED else T0 + 10 + 1.0
     assert written.dispatch.next_attempt_at == due
     assert outcome.dispatch_due_at == due
 
@@ -986,23 +994,9 @@ def test_an_unanswered_last_attempt_waits_out_the_lease_before_exhausting() -> N
     (nor its session's next admitted) until no handler of it can act."""
     settings = DispatchSettings(lease_timeout_s=30.0, max_attempts=2)
     ex = execution(dispatch_record=dispatch(attempt=2, max_attempts=2, locked_at=T0))
-    lease = Lease(dispatch_id=DISPATCH_ID, attempt=2)
-
-    def record(may_have_arrived: bool) -> Outcome[None]:
-        return record_delivery(
-            execution=ex,
-            lease=lease,
-            is_acked=False,
-            may_have_arrived=may_have_arrived,
-            jitter=0.0,
-            session=NO_SESSION,
-            new_id=no_ids,
-            now=T0 + 10,
-            settings=settings,
-        )
-
-    assert record(False).change.executions[0].status is ExecutionStatus.FAILED
-    (waiting,) = record(True).change.executions
+    refused = _record_failure(ex, DeliveryResult.REFUSED, settings)
+    assert refused.change.executions[0].status is ExecutionStatus.FAILED
+    (waiting,) = _record_failure(ex, DeliveryResult.UNANSWERED, settings).change.executions
     assert waiting.status is ExecutionStatus.RUNNING
     assert waiting.dispatch is not None
     assert waiting.dispatch.next_attempt_at == T0 + 30
@@ -1012,3 +1006,19 @@ def test_an_unanswered_last_attempt_waits_out_the_lease_before_exhausting() -> N
     assert reply(exhausted) is None
     (ended,) = exhausted.change.executions
     assert (ended.status, ended.failure_reason) == (ExecutionStatus.FAILED, "dispatch_exhausted")
+
+
+@pytest.mark.parametrize(
+    ("status", "result"),
+    [
+        (200, DeliveryResult.ACKED),
+        (204, DeliveryResult.ACKED),
+        (401, DeliveryResult.REFUSED),
+        (500, DeliveryResult.REFUSED),
+        (503, DeliveryResult.REFUSED),
+        (502, DeliveryResult.UNANSWERED),  # a proxy: the agent behind it may have got it
+        (504, DeliveryResult.UNANSWERED),
+    ],
+)
+def test_delivery_result_of_an_http_status(status: int, result: DeliveryResult) -> None:
+    assert delivery_result(status) is result

@@ -37,6 +37,7 @@ from rebuno_anyio.policy import policy_hook
 from rebuno_anyio.store import MemoryStore, SQLiteStore, Store, StoreError
 from rebuno_proto import (
     Agent,
+    DeliveryResult,
     DispatchSettings,
     DispatchStatus,
     Event,
@@ -267,7 +268,7 @@ async def test_a_failing_lease_reaper_and_approval_timer_retry(anyio_backend: st
             for execution_id in (held, lapsing):
                 delivery = await r.kernel.claim(execution_id)
                 assert delivery is not None
-                await r.kernel.delivered(delivery, is_acked=True)
+                await r.kernel.delivered(delivery, DeliveryResult.ACKED)
                 leases[execution_id] = delivery.lease()
             decision = await r.kernel.submit(
                 held,

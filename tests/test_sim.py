@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import rebuno_proto._commands as commands_module
 import rebuno_proto._submit as submit_module
-from rebuno_proto import Decision, Outcome, StepDecision, StepStatus
+from rebuno_proto import Decision, DeliveryResult, Outcome, StepDecision, StepStatus
 from rebuno_proto.sim import (
     INVARIANTS,
     PROFILES,
@@ -256,11 +256,13 @@ def test_seed_693_webhook_loss_a_retry_waits_out_a_lease_that_may_be_held(
     plan = FaultPlan(draw_plan(693, SimConfig()).faults + WEBHOOK_LOSS)
     assert run(693, plan=plan).ok
     real = commands_module.record_delivery
-    monkeypatch.setattr(
-        commands_module,
-        "record_delivery",
-        lambda **kwargs: real(**{**kwargs, "may_have_arrived": False}),  # the old rule
-    )
+
+    def unanswered_as_refused(**kwargs: Any) -> Any:  # the old rule
+        if kwargs["result"] is DeliveryResult.UNANSWERED:
+            kwargs = {**kwargs, "result": DeliveryResult.REFUSED}
+        return real(**kwargs)
+
+    monkeypatch.setattr(commands_module, "record_delivery", unanswered_as_refused)
     (violation,) = run(693, plan=plan).violations
     assert violation.invariant == "no_rerun_after_outcome"
 

@@ -40,6 +40,7 @@ from rebuno_proto import (
     CreateExecution,
     Decision,
     Delivery,
+    DeliveryResult,
     DispatchRecord,
     DispatchSettings,
     DispatchStatus,
@@ -410,7 +411,7 @@ class Driver:
             return record_delivery(
                 execution=execution,
                 lease=lease,
-                is_acked=acked,
+                result=DeliveryResult.ACKED if acked else DeliveryResult.REFUSED,
                 jitter=0.0,
                 session=self._session(tx, execution),
                 new_id=self.ids,

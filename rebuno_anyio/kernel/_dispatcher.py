@@ -17,7 +17,6 @@ execution it concerns, the loop backs off for one poll interval and goes on.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import math
@@ -29,7 +28,13 @@ import anyio
 import httpx
 from anyio.abc import TaskGroup, TaskStatus
 
-from rebuno_proto import Delivery, encode_webhook, sign_webhook
+from rebuno_proto import (
+    Delivery,
+    DeliveryResult,
+    delivery_result,
+    encode_webhook,
+    sign_webhook,
+)
 
 from ..store import StoreError
 from ._service import Kernel
@@ -49,16 +54,6 @@ _MAYBE_ARRIVED: Final = (
     httpx.WriteError,
     httpx.RemoteProtocolError,
 )
-#: Answers a proxy gives when the agent behind it may have got the request.
-_GATEWAY_LOST: Final = frozenset({502, 504})
-
-
-class _Posted(enum.Enum):
-    """How a webhook POST went (see `Dispatcher._post`)."""
-
-    ACKED = "acked"
-    REFUSED = "refused"
-    UNANSWERED = "unanswered"
 
 
 class _Alarm:
@@ -205,11 +200,7 @@ class Dispatcher:
             # re-queues the dispatch when the lease lapses.
             result = await self._post(delivery)
             try:
-                await self.kernel.delivered(
-                    delivery,
-                    is_acked=result is _Posted.ACKED,
-                    may_have_arrived=result is _Posted.UNANSWERED,
-                )
+                await self.kernel.delivered(delivery, result)
             except Exception as err:
                 # The dispatch stays in flight; the reaper re-queues it when
                 # its lease lapses.
@@ -222,7 +213,7 @@ class Dispatcher:
         finally:
             self._slots.release()
 
-    async def _post(self, delivery: Delivery) -> _Posted:
+    async def _post(self, delivery: Delivery) -> DeliveryResult:
         """Send the webhook: `ACKED` if the agent answered 2xx; `REFUSED` if
         it never got it (not registered, no connection, a non-2xx answer);
         `UNANSWERED` if it was sent and no answer came (a timeout, a
@@ -245,7 +236,7 @@ class Dispatcher:
                     delivery.agent_id,
                     delivery.execution_id,
                 )
-                return _Posted.REFUSED
+                return DeliveryResult.REFUSED
             url = agent.webhook_url
             body = encode_webhook(delivery, self.kernel.settings.lease_timeout_s)
             headers = {
@@ -263,8 +254,8 @@ class Dispatcher:
                 ) as reply:
                     status = reply.status_code
         except Exception as err:
-            if status is not None and 200 <= status < 300:
-                return _Posted.ACKED  # answered; only closing the stream failed
+            if status is not None:
+                return delivery_result(status)  # answered; only closing the stream failed
             text = "timed out" if isinstance(err, TimeoutError) else str(err) or type(err).__name__
             log.info(
                 "delivery of %s attempt %d to %s failed: %s",
@@ -275,17 +266,17 @@ class Dispatcher:
                 exc_info=not isinstance(err, httpx.HTTPError | TimeoutError | StoreError),
             )
             maybe = isinstance(err, _MAYBE_ARRIVED) or (isinstance(err, TimeoutError) and sending)
-            return _Posted.UNANSWERED if maybe else _Posted.REFUSED
-        if 200 <= status < 300:
-            return _Posted.ACKED
-        log.info(
-            "delivery of %s attempt %d to %s answered %d",
-            delivery.execution_id,
-            delivery.attempt,
-            url,
-            status,
-        )
-        return _Posted.UNANSWERED if status in _GATEWAY_LOST else _Posted.REFUSED
+            return DeliveryResult.UNANSWERED if maybe else DeliveryResult.REFUSED
+        result = delivery_result(status)
+        if result is not DeliveryResult.ACKED:
+            log.info(
+                "delivery of %s attempt %d to %s answered %d",
+                delivery.execution_id,
+                delivery.attempt,
+                url,
+                status,
+            )
+        return result
 
     # -- leases and approvals -------------------------------------------------------------
 

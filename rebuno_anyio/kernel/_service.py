@@ -25,6 +25,7 @@ from rebuno_proto import (
     Created,
     CreateExecution,
     Delivery,
+    DeliveryResult,
     DispatchSettings,
     ErrorCode,
     Event,
@@ -361,20 +362,12 @@ class Kernel:
         reply = await self._command(lambda tx, now: self.commands.claim(tx, execution_id, now))
         return None if isinstance(reply, Refusal) else reply
 
-    async def delivered(
-        self, delivery: Delivery, *, is_acked: bool, may_have_arrived: bool = False
-    ) -> None:
-        """Record how a webhook POST went; `may_have_arrived` for one that got
-        no answer (see `rebuno_proto.record_delivery`)."""
+    async def delivered(self, delivery: Delivery, result: DeliveryResult) -> None:
+        """Record how a webhook POST went (see `rebuno_proto.record_delivery`)."""
         jitter = self.jitter()
         await self._command(
             lambda tx, now: self.commands.delivered(
-                tx,
-                delivery,
-                is_acked=is_acked,
-                may_have_arrived=may_have_arrived,
-                jitter=jitter,
-                now=now,
+                tx, delivery, result=result, jitter=jitter, now=now
             )
         )
 

@@ -34,6 +34,7 @@ from .._agent import (
 )
 from .._agent import Outcome as HandlerOutcome
 from .._canonical import canonical_json
+from .._delivery import DeliveryResult
 from .._outcome import ErrorCode, Refusal, StepDecision
 from .._records import Idempotency, Lease, StepKind
 from .._wire import (
@@ -115,10 +116,12 @@ class AgentNode:
     def stall(self, duration: float) -> None:
         self.stalled_until = max(self.stalled_until, self.w.now + duration)
 
-    def webhook(self, payload: WebhookPayload, answered: Callable[[bool | None], None]) -> None:
+    def webhook(self, payload: WebhookPayload, answered: Callable[[DeliveryResult], None]) -> None:
         """A webhook arrives (the kernel waits for the answer, or times out)."""
         if not self.up:
-            self.w.at(self.w.now + 0.001, lambda: answered(False))  # connection refused
+            self.w.at(
+                self.w.now + 0.001, lambda: answered(DeliveryResult.REFUSED)
+            )  # connection refused
             return
 
         def receive() -> None:
@@ -127,7 +130,7 @@ class AgentNode:
                 f"{self.name}: webhook {payload.execution_id[-4:]} "
                 f"attempt {payload.dispatch_attempt}: {decision}"
             )
-            self.w.send(MessageClass.WEBHOOKS, self, lambda: answered(True))
+            self.w.send(MessageClass.WEBHOOKS, self, lambda: answered(DeliveryResult.ACKED))
             if decision == "ignore":
                 return
             old = self.handlers.pop(payload.execution_id, None)

@@ -62,8 +62,9 @@ class Checker:
         self._live: dict[str, Lease | None] = {}
         self.grants: dict[str, int] = {}
         self.body_runs: dict[str, int] = {}
-        self._strict: dict[str, None] = {}  # steps some run of which was at_most_once
-        self._ran_under: dict[tuple[str, Lease], None] = {}  # (step, lease) that ran a body
+        # Membership only (never iterated, so hash order cannot reach a trace):
+        self._strict: set[str] = set()  # steps some run of which was at_most_once
+        self._ran_under: set[tuple[str, Lease]] = set()  # (step, lease) that ran a body
         self._steps_forward = 0  # forward steps of the kernel's wall clock so far
         self._proceeds: dict[tuple[str, Lease], int] = {}  # (step, lease) told proceed -> steps
         self.excused = 0  # body starts a forward clock step excuses (see `clock_stepped`)
@@ -185,14 +186,14 @@ class Checker:
             or step.idempotency is Idempotency.AT_MOST_ONCE
         )
         if strict:
-            self._strict[step_id] = None
+            self._strict.add(step_id)
         if strict and runs > 1:
             self.fail(
                 "at_most_once", f"at_most_once step {step_id} ({step.target}) ran {runs} times"
             )
         if (step_id, lease) in self._ran_under:
             self.fail("orphan_reruns_bounded", f"step {step_id} ran twice under one lease {lease}")
-        self._ran_under[(step_id, lease)] = None
+        self._ran_under.add((step_id, lease))
 
     # -- at the end ------------------------------------------------------------------
 

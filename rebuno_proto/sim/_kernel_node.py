@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .._approvals import ApprovalChoice
 from .._canonical import canonical_json
-from .._delivery import Delivery
+from .._delivery import Delivery, DeliveryResult
 from .._memory import MemoryTx
 from .._outcome import ErrorCode, Outcome, Refusal, StepDecision
 from .._records import Lease
@@ -150,16 +150,17 @@ class KernelNode:
             f"to {agent.name}"
         )
 
-        def answered(acked: bool | None) -> None:
+        def answered(result: DeliveryResult) -> None:
             if incarnation == self.incarnation and self.up:
-                self._delivered(key, acked)
+                self._delivered(key, result)
 
         self.w.send(MessageClass.WEBHOOKS, agent, lambda: agent.webhook(payload, answered))
-        self.w.at(self.w.now + self.w.config.delivery_timeout_s, lambda: answered(None))
+        self.w.at(
+            self.w.now + self.w.config.delivery_timeout_s,
+            lambda: answered(DeliveryResult.UNANSWERED),
+        )
 
-    def _delivered(self, key: tuple[str, str, int], acked: bool | None) -> None:
-        """Record a POST's result: acked, refused (`False`: it never arrived),
-        or unanswered (`None`: it may have)."""
+    def _delivered(self, key: tuple[str, str, int], result: DeliveryResult) -> None:
         delivery = self.deliveries.pop(key, None)
         if delivery is None:
             return  # already answered (or timed out)
@@ -169,8 +170,7 @@ class KernelNode:
             lambda tx, now: self.w.commands.delivered(
                 tx,
                 delivery,
-                is_acked=acked is True,
-                may_have_arrived=acked is None,
+                result=result,
                 jitter=jitter,
                 now=now,
             ),
@@ -185,7 +185,7 @@ class KernelNode:
             # A clean stop records the deliveries it cuts short as failed, and
             # keeps the counters (the real kernel saves them with a marker).
             for key in list(self.deliveries):
-                self._delivered(key, None)  # cut short: it may have arrived
+                self._delivered(key, DeliveryResult.UNANSWERED)  # cut short: it may have arrived
         self.up = False
         self.incarnation += 1
         self.deliveries.clear()
